@@ -1,0 +1,676 @@
+# The engine: one kernel AIO context, one eventfd, a slab of queue_depth chunk
+# slots and the worker pool. All per-chunk work happens here in C.
+#
+# Kernel facts this relies on (measured on kernel 6.18, see DESIGN.md §4):
+# - io_submit may accept a prefix of the batch, then answer EAGAIN: the rest is
+#   kept and resubmitted when completions free room; it is never dropped.
+# - A misaligned O_DIRECT transfer does not fail io_submit; the event's res is
+#   -EINVAL. Every res is checked.
+# - With IOCB_FLAG_RESFD the kernel adds 1 to the eventfd per completion; the
+#   counts coalesce, so each wakeup drains everything there is.
+# - io_cancel cannot stop file I/O (EINVAL, the transfer lands anyway): a
+#   cancelled request stops generating chunks and finishes when the ones in
+#   flight are reaped.
+
+cdef enum:
+    GEN_CHUNK = 0
+    GEN_DONE = 1
+    GEN_BLOCKED = 2
+
+
+cdef inline void _list_append(ReqC **head, ReqC **tail, ReqC *r) noexcept nogil:
+    r.next = NULL
+    r.prev = tail[0]
+    if tail[0] != NULL:
+        tail[0].next = r
+    else:
+        head[0] = r
+    tail[0] = r
+
+
+cdef inline void _list_remove(ReqC **head, ReqC **tail, ReqC *r) noexcept nogil:
+    if r.prev != NULL:
+        r.prev.next = r.next
+    else:
+        head[0] = r.next
+    if r.next != NULL:
+        r.next.prev = r.prev
+    else:
+        tail[0] = r.prev
+    r.next = NULL
+    r.prev = NULL
+
+
+cdef class Engine:
+    """Kernel AIO context + worker pool, driven by pump().
+
+    Parameters
+    ----------
+    queue_depth : int
+        Chunks in flight at most (AIO iocbs and worker jobs together).
+    threads : int
+        Worker threads at most, started on first use.
+    use_aio : bool
+        False forces the worker pool for everything (the fallback engine).
+    ring_reap : bool
+        Reap completions from the mmapped AIO ring instead of io_getevents.
+    """
+
+    def __cinit__(self, int queue_depth=128, int threads=8, bint use_aio=True, bint ring_reap=True):
+        cdef int32_t i
+        cdef long rc
+        cdef aionvme_aio_ring *ring
+        self.efd = -1
+        if queue_depth < 1 or queue_depth > 65536:
+            raise ValueError(f"queue_depth must be in 1..65536, got {queue_depth}")
+        if threads < 1 or threads > 1024:
+            raise ValueError(f"threads must be in 1..1024, got {threads}")
+        self.queue_depth = queue_depth
+        self.nthreads_max = threads
+        self.pid = getpid()
+        self.efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
+        if self.efd < 0:
+            _raise_errno(errno)
+        self.chunks = <Chunk *>calloc(queue_depth, sizeof(Chunk))
+        self.iocbs = <iocb **>calloc(queue_depth, sizeof(iocb *))
+        self.events = <io_event *>calloc(queue_depth, sizeof(io_event))
+        self.pushq = <Chunk **>calloc(queue_depth, sizeof(Chunk *))
+        self.reapq = <Chunk **>calloc(queue_depth, sizeof(Chunk *))
+        self.pool = _pool_new(queue_depth, threads, self.efd)
+        if (self.chunks == NULL or self.iocbs == NULL or self.events == NULL
+                or self.pushq == NULL or self.reapq == NULL or self.pool == NULL):
+            raise MemoryError()
+        for i in range(queue_depth):
+            self.chunks[i].next_free = i + 1
+        self.chunks[queue_depth - 1].next_free = -1
+        self.free_head = 0
+        self.nfree = queue_depth
+        self.use_aio = False
+        if use_aio:
+            self.ctx = 0
+            with nogil:
+                rc = syscall(SYS_io_setup, <unsigned>queue_depth, &self.ctx)
+            if rc < 0:
+                # ENOSYS (no CONFIG_AIO, gVisor), EPERM (seccomp), EAGAIN
+                # (fs.aio-max-nr exhausted): the worker pool serves everything.
+                self.aio_error = _os_error(errno, None, None, None, "io_setup")
+                self.ctx = 0
+            else:
+                self.use_aio = True
+                ring = <aionvme_aio_ring *>self.ctx
+                self.ring_reap = (ring_reap and ring.magic == AIONVME_AIO_RING_MAGIC
+                                  and ring.incompat_features == 0)
+
+    # -- the hot path (C, no GIL) -------------------------------------------
+
+    cdef void _finish(self, ReqC *r) noexcept nogil:
+        r.flags |= RF_FINISHED | RF_GEN_DONE
+        _list_append(&self.done_head, &self.done_tail, r)
+
+    cdef void _stop_generating(self, ReqC *r) noexcept nogil:
+        if r.flags & RF_QUEUED:
+            _list_remove(&self.pend_head, &self.pend_tail, r)
+            r.flags &= ~RF_QUEUED
+        r.flags |= RF_GEN_DONE
+
+    cdef void _complete_chunk(self, Chunk *ch) noexcept nogil:
+        cdef ReqC *r = ch.req
+        cdef int64_t res = ch.res
+        cdef int64_t got, first_missing
+        cdef int32_t slot
+        if ch.op == CH_READ:
+            if res < 0:
+                if r.err == 0:
+                    r.err = <int32_t>-res
+                    r.err_off = ch.foff + ch.uskip
+                self._stop_generating(r)
+            else:
+                if ch.user != NULL:
+                    # bounce read: hand the caller the part of the block it asked for
+                    got = res - ch.uskip
+                    if got > ch.ulen:
+                        got = ch.ulen
+                    if got > 0:
+                        memcpy(ch.user, ch.bounce + ch.uskip, got)
+                    else:
+                        got = 0
+                else:
+                    got = res
+                if got < ch.ulen:
+                    first_missing = ch.foff + ch.uskip + got
+                    if (r.short_seg < 0 or ch.seg < r.short_seg
+                            or (ch.seg == r.short_seg and first_missing < r.short_at)):
+                        r.short_seg = ch.seg
+                        r.short_at = first_missing
+                    self._stop_generating(r)
+        elif ch.op == CH_WRITE or ch.op == CH_RMW:
+            if res < 0:
+                if r.err == 0:
+                    r.err = <int32_t>-res
+                    r.err_off = ch.foff + ch.uskip
+                self._stop_generating(r)
+            elif res < ch.len:
+                if r.err == 0 and not (r.flags & RF_SHORT_WRITE):
+                    r.flags |= RF_SHORT_WRITE
+                    r.err_off = ch.foff + res
+                self._stop_generating(r)
+        elif ch.op == CH_PREP:
+            r.flags &= ~RF_PREP_WAIT
+            r.flags |= RF_PREP_DONE
+            if res < 0:
+                if r.err == 0:
+                    r.err = <int32_t>-res
+                    r.err_off = ch.foff
+                self._stop_generating(r)
+        else:   # CH_FSYNC / CH_FDATASYNC
+            if res < 0 and r.err == 0:
+                r.err = <int32_t>-res
+                r.err_off = 0
+        self.n_completed += 1
+        r.inflight -= 1
+        slot = <int32_t>(ch - self.chunks)
+        ch.req = NULL
+        ch.user = NULL
+        ch.next_free = self.free_head
+        self.free_head = slot
+        self.nfree += 1
+        if r.inflight == 0 and (r.flags & RF_GEN_DONE) and not (r.flags & RF_FINISHED):
+            self._finish(r)
+
+    cdef int _gen_chunk(self, ReqC *r, Chunk *ch) noexcept nogil:
+        cdef Seg *s
+        cdef Plan p
+        cdef int64_t need, lo
+        cdef int32_t i
+        cdef void *mem
+        if r.flags & RF_GEN_DONE:
+            return GEN_DONE
+        ch.req = r
+        ch.fd = r.fd
+        ch.user = NULL
+        ch.uskip = 0
+        ch.ulen = 0
+        ch.seg = 0
+        if r.op == OP_FSYNC or r.op == OP_FDATASYNC:
+            ch.op = CH_FSYNC if r.op == OP_FSYNC else CH_FDATASYNC
+            ch.kind = KIND_THREAD
+            ch.foff = 0
+            ch.len = 0
+            r.flags |= RF_GEN_DONE
+            return GEN_CHUNK
+        if r.cur >= r.nsegs:
+            r.flags |= RF_GEN_DONE
+            return GEN_DONE
+        if r.op == OP_WRITE and r.align > 1 and r.inode != NULL and not (r.flags & RF_PREP_DONE):
+            if r.flags & RF_PREP_WAIT:
+                return GEN_BLOCKED
+            if r.end_max > r.inode.known_size:
+                # Data chunks wait until the range beyond EOF exists (see _job_prep).
+                lo = r.end_max
+                for i in range(r.nsegs):
+                    if r.segs[i].nbytes > 0 and r.segs[i].offset < lo:
+                        lo = r.segs[i].offset
+                ch.op = CH_PREP
+                ch.kind = KIND_THREAD
+                ch.foff = lo
+                ch.len = r.end_max - lo
+                r.flags |= RF_PREP_WAIT
+                return GEN_CHUNK
+            r.flags |= RF_PREP_DONE
+        # skip empty segments
+        while r.cur < r.nsegs and r.pos >= r.segs[r.cur].offset + r.segs[r.cur].nbytes:
+            r.cur += 1
+            if r.cur < r.nsegs:
+                r.pos = r.segs[r.cur].offset
+        if r.cur >= r.nsegs:
+            r.flags |= RF_GEN_DONE
+            return GEN_DONE
+        s = &r.segs[r.cur]
+        _plan_chunk(s.offset, s.nbytes, <uintptr_t>s.addr, r.pos, r.align, r.mem_align,
+                    r.block, r.op == OP_WRITE, &p)
+        ch.seg = r.cur
+        ch.foff = p.foff
+        ch.len = p.len
+        ch.uskip = p.uskip
+        ch.ulen = p.ulen
+        ch.kind = KIND_AIO if r.path == PATH_AIO and self.use_aio else KIND_THREAD
+        if p.rmw:
+            ch.op = CH_RMW
+            ch.kind = KIND_THREAD
+        else:
+            ch.op = CH_READ if r.op == OP_READ else CH_WRITE
+        if p.bounce:
+            need = r.block if r.block > r.align else r.align
+            if ch.bounce == NULL or ch.bounce_size < need:
+                free(ch.bounce)
+                ch.bounce = NULL
+                mem = NULL
+                if posix_memalign(&mem, 4096 if r.mem_align <= 4096 else r.mem_align, need) != 0:
+                    ch.bounce_size = 0
+                    return -ENOMEM
+                ch.bounce = <char *>mem
+                ch.bounce_size = need
+                self.n_bounce_buffers += 1
+            ch.buf = ch.bounce
+            ch.user = s.addr + (p.upos - s.offset)
+            if ch.op == CH_WRITE:
+                memcpy(ch.bounce, ch.user, p.ulen)
+        else:
+            ch.buf = s.addr + (p.upos - s.offset)
+        r.pos = p.upos + p.ulen
+        if r.pos >= s.offset + s.nbytes:
+            r.cur += 1
+            if r.cur < r.nsegs:
+                r.pos = r.segs[r.cur].offset
+            else:
+                r.flags |= RF_GEN_DONE
+        return GEN_CHUNK
+
+    cdef void _generate(self) noexcept nogil:
+        cdef ReqC *r = self.pend_head
+        cdef ReqC *nxt
+        cdef Chunk *ch
+        cdef int32_t slot
+        cdef int rc
+        while r != NULL and self.nfree > 0:
+            nxt = r.next
+            while self.nfree > 0 and r.inflight < r.max_inflight:
+                slot = self.free_head
+                ch = &self.chunks[slot]
+                rc = self._gen_chunk(r, ch)
+                if rc == GEN_DONE or rc == GEN_BLOCKED:
+                    ch.req = NULL
+                    break
+                self.free_head = ch.next_free
+                self.nfree -= 1
+                r.inflight += 1
+                if rc < 0:
+                    # could not get a bounce buffer: fail this chunk right here
+                    ch.res = rc
+                    ch.op = CH_READ if r.op == OP_READ else CH_WRITE
+                    ch.uskip = 0
+                    self._complete_chunk(ch)
+                    break
+                if ch.kind == KIND_AIO:
+                    memset(&ch.cb, 0, sizeof(iocb))
+                    ch.cb.aio_data = <uint64_t>slot
+                    ch.cb.aio_lio_opcode = IOCB_CMD_PREAD if ch.op == CH_READ else IOCB_CMD_PWRITE
+                    ch.cb.aio_fildes = ch.fd
+                    ch.cb.aio_buf = <uint64_t><uintptr_t>ch.buf
+                    ch.cb.aio_nbytes = <uint64_t>ch.len
+                    ch.cb.aio_offset = ch.foff
+                    ch.cb.aio_flags = IOCB_FLAG_RESFD
+                    ch.cb.aio_resfd = self.efd
+                    self.iocbs[self.n_iocbs] = &ch.cb
+                    self.n_iocbs += 1
+                else:
+                    self.pushq[self.n_push] = ch
+                    self.n_push += 1
+            if (r.flags & RF_GEN_DONE) and (r.flags & RF_QUEUED):
+                _list_remove(&self.pend_head, &self.pend_tail, r)
+                r.flags &= ~RF_QUEUED
+                if r.inflight == 0 and not (r.flags & RF_FINISHED):
+                    self._finish(r)
+            r = nxt
+
+    cdef void _submit(self) noexcept nogil:
+        cdef int32_t i = 0, k
+        cdef long rc
+        cdef int err
+        cdef Chunk *ch
+        while i < self.n_iocbs:
+            rc = syscall(SYS_io_submit, self.ctx, <long>(self.n_iocbs - i), &self.iocbs[i])
+            self.n_submit_calls += 1
+            if rc > 0:
+                i += <int32_t>rc
+                self.n_aio_inflight += <int32_t>rc
+                self.n_submitted += rc
+                continue
+            err = errno if rc < 0 else EAGAIN
+            if err == EINTR:
+                continue
+            if err == EAGAIN:
+                self.n_eagain += 1
+                if self.n_aio_inflight > 0:
+                    break   # the rest goes in once completions free room
+                # Nothing in flight will wake us: let the workers run the rest.
+                while i < self.n_iocbs:
+                    ch = <Chunk *>self.iocbs[i]
+                    ch.kind = KIND_THREAD
+                    self.pushq[self.n_push] = ch
+                    self.n_push += 1
+                    i += 1
+                break
+            # The first iocb was refused (EBADF, EINVAL, ...): it fails alone.
+            ch = <Chunk *>self.iocbs[i]
+            ch.res = -err
+            i += 1
+            self._complete_chunk(ch)
+        if i > 0:
+            k = self.n_iocbs - i
+            if k > 0:
+                memmove(self.iocbs, &self.iocbs[i], k * sizeof(iocb *))
+            self.n_iocbs = k
+        if self.n_push > 0:
+            k = self.pool.nthreads + self.n_push
+            if _pool_grow(self.pool, k if k < self.nthreads_max else self.nthreads_max) == 0:
+                for i in range(self.n_push):
+                    self.pushq[i].res = -EAGAIN
+                    self._complete_chunk(self.pushq[i])
+            else:
+                _pool_push(self.pool, self.pushq, self.n_push)
+                self.n_thread_jobs += self.n_push
+            self.n_push = 0
+
+    cdef void _reap(self) noexcept nogil:
+        cdef uint64_t val
+        cdef long rc
+        cdef int32_t i, n
+        cdef timespec zero
+        cdef aionvme_aio_ring *ring
+        cdef io_event *evs
+        cdef unsigned head, tail, nr
+        read(self.efd, &val, 8)   # reset first: a completion after this re-arms it
+        if self.use_aio and self.n_aio_inflight > 0:
+            if self.ring_reap:
+                ring = <aionvme_aio_ring *>self.ctx
+                evs = <io_event *>((<char *>ring) + ring.header_length)
+                nr = ring.nr
+                head = ring.head
+                tail = aionvme_load_acquire(&ring.tail)
+                n = 0
+                while head != tail:
+                    self.events[n] = evs[head]
+                    n += 1
+                    head += 1
+                    if head >= nr:
+                        head = 0
+                    if n == self.queue_depth:
+                        break
+                aionvme_store_release(&ring.head, head)
+                if n:
+                    self.n_ring_reaps += 1
+                for i in range(n):
+                    self.n_aio_inflight -= 1
+                    self.chunks[self.events[i].data].res = self.events[i].res
+                    self._complete_chunk(&self.chunks[self.events[i].data])
+            else:
+                zero.tv_sec = 0
+                zero.tv_nsec = 0
+                while self.n_aio_inflight > 0:
+                    rc = syscall(SYS_io_getevents, self.ctx, 0L, <long>self.queue_depth, self.events, &zero)
+                    if rc < 0:
+                        if errno == EINTR:
+                            continue
+                        break
+                    for i in range(rc):
+                        self.n_aio_inflight -= 1
+                        self.chunks[self.events[i].data].res = self.events[i].res
+                        self._complete_chunk(&self.chunks[self.events[i].data])
+                    if rc < self.queue_depth:
+                        break
+        n = _pool_take_done(self.pool, self.reapq)
+        for i in range(n):
+            self._complete_chunk(self.reapq[i])
+
+    cdef list _collect(self):
+        cdef ReqC *r = self.done_head
+        cdef ReqC *nxt
+        cdef Request req
+        cdef list out = []
+        self.done_head = NULL
+        self.done_tail = NULL
+        while r != NULL:
+            nxt = r.next
+            r.next = NULL
+            r.prev = NULL
+            req = <Request>r.owner
+            Py_DECREF(req)          # the engine's reference; `req` holds one now
+            req._release()
+            self.n_live_requests -= 1
+            f = req.file
+            f.active -= 1
+            if f.closing and f.active == 0:
+                f._close_fd()
+            out.append(req)
+            r = nxt
+        return out
+
+    cdef int _enqueue(self, Request req) except -1:
+        if self.closed or self.abandoned:
+            raise _exc.EngineClosedError("the I/O engine is closed")
+        Py_INCREF(req)
+        req.c.flags |= RF_QUEUED
+        _list_append(&self.pend_head, &self.pend_tail, &req.c)
+        req.file.active += 1
+        self.n_requests += 1
+        self.n_live_requests += 1
+        return 0
+
+    # -- Python API -----------------------------------------------------------
+
+    def read(self, FileHandle f, object buf, object offset=0, long long block=1 << 20,
+             int max_inflight=0):
+        """Queue a read of all of buf from offset. Returns the Request."""
+        cdef Request req = _new_request(f, OP_READ, 1, block, max_inflight)
+        req._add_segment(buf, offset, True)
+        self._enqueue(req)
+        return req
+
+    def write(self, FileHandle f, object buf, object offset=0, long long block=1 << 20,
+              int max_inflight=0):
+        """Queue a write of all of buf at offset. Returns the Request."""
+        cdef Request req = _new_request(f, OP_WRITE, 1, block, max_inflight)
+        req._add_segment(buf, offset, False)
+        self._enqueue(req)
+        return req
+
+    def readv(self, FileHandle f, object items, long long block=1 << 20, int max_inflight=0):
+        """Queue one request made of (buf, offset) pairs, each filled whole."""
+        return self._vector(f, OP_READ, items, block, max_inflight)
+
+    def writev(self, FileHandle f, object items, long long block=1 << 20, int max_inflight=0):
+        """Queue one request writing each (buf, offset) pair."""
+        return self._vector(f, OP_WRITE, items, block, max_inflight)
+
+    def _vector(self, FileHandle f, int op, object items, long long block, int max_inflight):
+        cdef list lst = items if type(items) is list else list(items)
+        cdef Request req = _new_request(f, op, len(lst), block, max_inflight)
+        for item in lst:
+            buf, offset = item
+            req._add_segment(buf, offset, op == OP_READ)
+        if req.c.nsegs:
+            req.c.pos = req.c.segs[0].offset
+        self._enqueue(req)
+        return req
+
+    def fsync(self, FileHandle f, bint datasync=False):
+        """Queue fsync (or fdatasync) of f on a worker."""
+        cdef Request req = _new_request(f, OP_FDATASYNC if datasync else OP_FSYNC, 0, 0, 0)
+        self._enqueue(req)
+        return req
+
+    def cancel(self, Request req):
+        """Stop generating req's chunks. It finishes (cancelled) once the ones
+        in flight are reaped; returns False if it had already finished."""
+        if req.c.flags & RF_FINISHED:
+            return False
+        req.c.flags |= RF_CANCELLED
+        self._stop_generating(&req.c)
+        if req.c.inflight == 0:
+            self._finish(&req.c)
+        return True
+
+    def pump(self):
+        """Reap completions, generate and submit chunks; return the requests
+        that finished. Call on the owner's thread when fileno() is readable
+        and after queueing requests."""
+        if self.closed or self.abandoned:
+            return []
+        with nogil:
+            self._reap()
+            self._generate()
+            self._submit()
+        if self.done_head == NULL:
+            return []
+        return self._collect()
+
+    def wait(self, double timeout=-1.0):
+        """Block (GIL released) until the eventfd signals or timeout seconds pass."""
+        cdef pollfd pfd
+        cdef int ms = -1 if timeout < 0 else <int>(timeout * 1000)
+        pfd.fd = self.efd
+        pfd.events = POLLIN
+        pfd.revents = 0
+        with nogil:
+            poll(&pfd, 1, ms)
+
+    def run(self, Request req):
+        """Drive the engine until req finishes (for callers without a loop).
+
+        An exception while waiting (KeyboardInterrupt, say) cancels req and
+        still waits for its chunks in flight before propagating: the caller's
+        buffer is never left to the kernel."""
+        try:
+            while not (req.c.flags & RF_FINISHED):
+                self.pump()
+                if req.c.flags & RF_FINISHED:
+                    break
+                self.wait()
+        except BaseException:
+            self.cancel(req)
+            with nogil:
+                while not (req.c.flags & RF_FINISHED):
+                    self._reap()
+                    self._generate()
+                    self._submit()
+                    if not (req.c.flags & RF_FINISHED):
+                        self._wait_efd(100)
+            raise
+        finally:
+            if self.done_head != NULL:
+                self._collect()
+        return req
+
+    def fileno(self):
+        return self.efd
+
+    @property
+    def inflight(self):
+        """Chunks submitted and not yet reaped."""
+        return self.queue_depth - self.nfree
+
+    @property
+    def pending(self):
+        """Requests that still have chunks to generate."""
+        cdef int n = 0
+        cdef ReqC *r = self.pend_head
+        while r != NULL:
+            n += 1
+            r = r.next
+        return n
+
+    @property
+    def threads_started(self):
+        return self.pool.nthreads if self.pool != NULL else 0
+
+    def stats(self):
+        return dict(submit_calls=self.n_submit_calls, submitted=self.n_submitted,
+                    completed=self.n_completed, thread_jobs=self.n_thread_jobs,
+                    requests=self.n_requests, live_requests=self.n_live_requests,
+                    inflight=self.queue_depth - self.nfree, bounce_buffers=self.n_bounce_buffers,
+                    eagain=self.n_eagain, ring_reaps=self.n_ring_reaps, use_aio=self.use_aio,
+                    ring_reap=self.ring_reap, threads=self.threads_started)
+
+    # -- lifecycle ------------------------------------------------------------
+
+    def close(self):
+        """Stop accepting requests, let everything queued or in flight finish
+        (pending requests are cancelled, in-flight chunks are waited for, so no
+        buffer is touched afterwards), stop the workers and free the context.
+        Returns the requests that finished during the drain."""
+        cdef list out = []
+        cdef ReqC *r
+        cdef ReqC *nxt
+        if self.closed:
+            return out
+        if self.abandoned:
+            self.closed = True
+            return out
+        self.closed = True
+        r = self.pend_head
+        while r != NULL:
+            nxt = r.next
+            r.flags |= RF_CANCELLED
+            self._stop_generating(r)
+            if r.inflight == 0:
+                self._finish(r)
+            r = nxt
+        with nogil:
+            self._submit()   # iocbs already generated must go in: their requests wait for them
+            while self.nfree < self.queue_depth:
+                self._reap()
+                if self.n_iocbs:
+                    self._submit()
+                if self.nfree < self.queue_depth:
+                    self._wait_efd(100)
+        out = self._collect()
+        self._teardown()
+        return out
+
+    cdef void _wait_efd(self, int ms) noexcept nogil:
+        cdef pollfd pfd
+        pfd.fd = self.efd
+        pfd.events = POLLIN
+        pfd.revents = 0
+        poll(&pfd, 1, ms)
+
+    cdef void _teardown(self) noexcept:
+        cdef int32_t i
+        if self.pool != NULL:
+            if not self.abandoned:
+                with nogil:
+                    _pool_stop(self.pool)
+            _pool_free(self.pool, self.abandoned)
+            self.pool = NULL
+        if self.ctx != 0:
+            if not self.abandoned:
+                with nogil:
+                    syscall(SYS_io_destroy, self.ctx)
+            self.ctx = 0
+        if self.chunks != NULL:
+            for i in range(self.queue_depth):
+                free(self.chunks[i].bounce)
+            free(self.chunks)
+            self.chunks = NULL
+        free(self.iocbs)
+        free(self.events)
+        free(self.pushq)
+        free(self.reapq)
+        self.iocbs = NULL
+        self.events = NULL
+        self.pushq = NULL
+        self.reapq = NULL
+        if self.efd >= 0:
+            close(self.efd)
+            self.efd = -1
+
+    def abandon(self):
+        """In a forked child: forget the parent's context, threads and requests
+        without touching them (io_* on the parent's context gives EINVAL there,
+        and its workers do not exist)."""
+        if self.closed:
+            return
+        self.abandoned = True
+        self.closed = True
+        self.use_aio = False
+        self._teardown()
+
+    def __dealloc__(self):
+        # Normally closed by its owner; this is the last resort, and it still
+        # drains: the kernel must be done with every buffer before we let go.
+        if not self.closed and self.chunks != NULL and not self.abandoned and self.pid == getpid():
+            self.close()
+        elif self.chunks != NULL or self.efd >= 0:
+            self.abandoned = True
+            self._teardown()

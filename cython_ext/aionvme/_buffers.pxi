@@ -1,0 +1,151 @@
+# Buffers: what the caller passes (buffer-protocol objects, torch tensors) and
+# what we allocate (page-aligned memory that O_DIRECT can DMA into directly).
+
+cdef long _PAGE = sysconf(_SC_PAGESIZE)
+cdef object _torch_tensor_type = None
+
+
+cdef bint _is_torch_tensor(object obj):
+    # torch is never imported here: a tensor can only exist if the caller did.
+    global _torch_tensor_type
+    if _torch_tensor_type is None:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return False
+        _torch_tensor_type = torch.Tensor
+    return isinstance(obj, _torch_tensor_type)
+
+
+cdef int _diagnose_buffer(object buf, bint writable) except -1:
+    """Raise the precise error for a buffer that PyObject_GetBuffer refused."""
+    cdef Py_buffer probe
+    if not PyObject_CheckBuffer(buf):
+        raise _exc.BufferTypeError(
+            f"expected a numpy array, torch tensor or bytes-like object, got {type(buf).__name__}")
+    try:
+        PyObject_GetBuffer(buf, &probe, PyBUF_FULL_RO)
+    except Exception:
+        return 0   # the exporter's own error stands
+    try:
+        if writable and probe.readonly:
+            raise _exc.ReadOnlyBufferError(
+                f"cannot read into a read-only {type(buf).__name__}")
+        raise _exc.NonContiguousBufferError(
+            f"{type(buf).__name__} is not contiguous; pass a contiguous copy")
+    finally:
+        PyBuffer_Release(&probe)
+
+
+cdef int _buffer_address(object buf, bint writable, Py_buffer *view, list keep,
+                         char **addr, int64_t *nbytes) except -1:
+    """Resolve buf to (address, size). Fills view (to release later) or appends
+    the owning object to keep; either way the memory stays alive and pinned in
+    place until the request is finished."""
+    if PyObject_CheckBuffer(buf):
+        try:
+            PyObject_GetBuffer(buf, view, PyBUF_ANY_CONTIGUOUS | (PyBUF_WRITABLE if writable else 0))
+        except (BufferError, ValueError, TypeError):
+            _diagnose_buffer(buf, writable)
+            raise
+        addr[0] = <char *>view.buf
+        nbytes[0] = view.len
+        return 0
+    if _is_torch_tensor(buf):
+        if buf.device.type != "cpu":
+            raise _exc.DeviceError(
+                f"tensor is on {buf.device}; this call moves host memory (use the GPU path for CUDA tensors)")
+        if not buf.is_contiguous():
+            raise _exc.NonContiguousBufferError("tensor is not contiguous; pass tensor.contiguous()")
+        addr[0] = <char *><uintptr_t>buf.data_ptr()
+        nbytes[0] = buf.numel() * buf.element_size()
+        keep.append(buf)
+        return 0
+    _diagnose_buffer(buf, writable)
+    return -1
+
+
+def buffer_info(object buf, bint writable=False):
+    """(address, nbytes) of a buffer as the engine sees it (for tests and tools)."""
+    cdef Py_buffer view
+    cdef char *addr
+    cdef int64_t n
+    cdef list keep = []
+    memset(&view, 0, sizeof(Py_buffer))
+    _buffer_address(buf, writable, &view, keep, &addr, &n)
+    if <PyObject *>view.obj != NULL:
+        PyBuffer_Release(&view)
+    return <uintptr_t>addr, n
+
+
+cdef class AlignedBuffer:
+    """Page-aligned, zero-filled memory with the buffer protocol.
+
+    Backed by an anonymous mmap, so it is aligned for any O_DIRECT device and
+    large ones can use transparent huge pages. numpy arrays and torch tensors
+    made from it keep it alive.
+    """
+    cdef char *ptr
+    cdef readonly Py_ssize_t nbytes
+    cdef Py_ssize_t mapped
+    cdef Py_ssize_t shape[1]
+    cdef Py_ssize_t strides[1]
+    cdef int exports
+    cdef readonly bint locked
+
+    def __cinit__(self, Py_ssize_t nbytes, bint lock=False):
+        cdef void *p
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        self.nbytes = nbytes
+        self.mapped = max(_PAGE, (nbytes + _PAGE - 1) // _PAGE * _PAGE)
+        with nogil:
+            p = mmap(NULL, self.mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+        if p == MAP_FAILED:
+            self.ptr = NULL
+            raise MemoryError(f"cannot map {nbytes} bytes: {os.strerror(errno)}")
+        self.ptr = <char *>p
+        if self.mapped >= 4 * 1024 * 1024:
+            madvise(p, self.mapped, MADV_HUGEPAGE)   # a hint; failure is harmless
+        if lock:
+            with nogil:
+                rc = mlock(p, self.mapped)
+            if rc != 0:
+                err = errno
+                munmap(p, self.mapped)
+                self.ptr = NULL
+                raise _exc.os_error(err, None, op="mlock", nbytes=nbytes)
+            self.locked = True
+
+    def __dealloc__(self):
+        if self.ptr != NULL:
+            munmap(self.ptr, self.mapped)
+            self.ptr = NULL
+
+    @property
+    def address(self):
+        return <uintptr_t>self.ptr
+
+    def __len__(self):
+        return self.nbytes
+
+    def __getbuffer__(self, Py_buffer *view, int flags):
+        self.shape[0] = self.nbytes
+        self.strides[0] = 1
+        view.buf = self.ptr
+        view.obj = self
+        view.len = self.nbytes
+        view.readonly = 0
+        view.itemsize = 1
+        if flags & PyBUF_FORMAT:
+            view.format = "B"
+        else:
+            view.format = NULL
+        view.ndim = 1
+        view.shape = self.shape
+        view.strides = self.strides
+        view.suboffsets = NULL
+        view.internal = NULL
+        self.exports += 1
+
+    def __releasebuffer__(self, Py_buffer *view):
+        self.exports -= 1

@@ -1,0 +1,201 @@
+# Layouts of the engine's C state and extension types. Declarations only; the
+# code lives in _engine.pyx and the .pxi parts it includes.
+from cpython.object cimport PyObject
+from libc.stdint cimport int32_t, int64_t
+
+from aionvme.includes.linux cimport aio_context_t, io_event, iocb
+from aionvme.includes.pthread cimport pthread_cond_t, pthread_mutex_t, pthread_t
+
+
+cdef enum:
+    # Request operations (what the caller asked for).
+    OP_READ = 0
+    OP_WRITE = 1
+    OP_FSYNC = 2
+    OP_FDATASYNC = 3
+
+    # Chunk operations (what one kernel transfer or worker job does).
+    CH_READ = 0        # read [foff, foff+len) into buf
+    CH_WRITE = 1       # write buf to [foff, foff+len)
+    CH_RMW = 2         # read-modify-write of one partially written block (worker)
+    CH_PREP = 3        # make room before extending writes: fallocate (worker)
+    CH_FSYNC = 4
+    CH_FDATASYNC = 5
+
+    # Where a chunk runs.
+    KIND_AIO = 0
+    KIND_THREAD = 1
+
+    # How a file is served: kernel AIO on an O_DIRECT fd, or the worker pool.
+    PATH_AIO = 0
+    PATH_THREAD = 1
+
+    # Request flags.
+    RF_GEN_DONE = 1      # no more chunks will be generated
+    RF_PREP_WAIT = 2     # a CH_PREP chunk is in flight; data chunks wait for it
+    RF_PREP_DONE = 4
+    RF_CANCELLED = 8
+    RF_FINISHED = 16
+    RF_QUEUED = 32       # on the engine's pending list
+    RF_SHORT_WRITE = 64
+
+
+cdef struct Seg:
+    char *addr
+    int64_t nbytes
+    int64_t offset
+
+
+cdef struct InodeC:
+    pthread_mutex_t lock
+    int64_t known_size     # a lower bound of the file size, kept to skip fstat
+
+
+cdef struct ReqC:
+    PyObject *owner        # the Request object; the engine holds a reference while queued or in flight
+    ReqC *next             # pending list / finished list
+    ReqC *prev
+    Seg *segs
+    int32_t nsegs
+    int32_t cur            # segment being chunked
+    int64_t pos            # next file offset to chunk within segs[cur]
+    int32_t op
+    int32_t fd
+    int32_t path           # PATH_AIO / PATH_THREAD
+    int32_t flags
+    int64_t align          # file offset / length alignment for this fd (1 when buffered)
+    int64_t mem_align      # memory alignment for this fd (1 when buffered)
+    int64_t block          # chunk size (multiple of align)
+    int32_t max_inflight   # per-request cap on chunks in flight (intra-op parallelism)
+    int32_t inflight
+    int64_t end_max        # largest file end among the segments (writes: for CH_PREP)
+    InodeC *inode
+    int32_t err            # first errno seen, 0 if none
+    int64_t err_off        # file offset of the chunk that failed
+    int32_t short_seg      # first segment that came back short, -1 if none
+    int64_t short_at       # file offset of the first missing byte in that segment
+
+
+cdef struct Chunk:
+    iocb cb                # must stay first: the kernel sees &chunk.cb
+    ReqC *req
+    char *buf              # memory the kernel transfers to/from (user memory or bounce)
+    char *user             # user memory for bounce copies; NULL when direct
+    char *bounce           # this slot's bounce buffer (allocated on first use, kept)
+    int64_t bounce_size
+    int64_t foff
+    int64_t len
+    int64_t uskip          # where the user's bytes start inside the bounce buffer
+    int64_t ulen
+    int64_t res            # bytes transferred, or -errno
+    int32_t seg
+    int32_t op
+    int32_t kind
+    int32_t fd
+    int32_t next_free
+
+
+cdef struct Pool:
+    # The worker pool: C threads that run CH_* jobs with plain syscalls and
+    # never take the GIL. jobs and doneq are rings of queue_depth entries (at
+    # most queue_depth chunks exist), guarded by mu.
+    pthread_mutex_t mu
+    pthread_cond_t cv
+    pthread_t *threads
+    int nthreads
+    int stopping
+    int efd                  # written once per finished job, like IOCB_FLAG_RESFD
+    int32_t cap
+    Chunk **jobs
+    int32_t jobs_head
+    int32_t jobs_len
+    Chunk **doneq
+    int32_t doneq_head
+    int32_t doneq_len
+
+
+cdef class Inode:
+    cdef object __weakref__
+    cdef InodeC c
+
+
+cdef class FileHandle:
+    cdef readonly int fd
+    cdef readonly int path_kind
+    cdef readonly bint direct
+    cdef readonly bint readable
+    cdef readonly bint writable
+    cdef readonly long long align
+    cdef readonly long long mem_align
+    cdef readonly object path
+    cdef readonly Inode inode
+    cdef readonly int active       # requests queued or in flight on this fd
+    cdef readonly bint closing
+    cdef readonly bint closed
+    cdef public object owner       # the user-facing File, for error messages and close callbacks
+    cdef int _close_fd(self) except -1
+
+
+cdef class Request:
+    cdef ReqC c
+    cdef Seg seg0
+    cdef Py_buffer *views
+    cdef Py_buffer view0
+    cdef int nviews
+    cdef list keep
+    cdef readonly FileHandle file
+    cdef public object future
+    cdef public object callback
+    cdef int _add_segment(self, object buf, object offset, bint writable) except -1
+    cdef void _release(self) noexcept
+
+
+cdef class Engine:
+    cdef object __weakref__
+    cdef aio_context_t ctx
+    cdef readonly bint use_aio
+    cdef readonly object aio_error     # why kernel AIO is off (OSError), or None
+    cdef readonly int efd
+    cdef readonly int queue_depth
+    cdef bint abandoned                 # set in a forked child: touch nothing of the parent's
+    cdef bint closed
+    cdef int pid
+    cdef Chunk *chunks
+    cdef int32_t free_head
+    cdef int32_t nfree
+    cdef iocb **iocbs                   # AIO chunks ready for io_submit, in order
+    cdef int32_t n_iocbs
+    cdef io_event *events
+    cdef ReqC *pend_head
+    cdef ReqC *pend_tail
+    cdef ReqC *done_head                # finished requests not yet handed to Python
+    cdef ReqC *done_tail
+    cdef int32_t n_aio_inflight
+    cdef bint ring_reap                 # reap from the mmapped completion ring
+    cdef Chunk **pushq                  # worker jobs generated in this pump, handed over at once
+    cdef int32_t n_push
+    cdef Pool *pool
+    cdef int nthreads_max
+    cdef Chunk **reapq                  # worker completions taken out of the pool in one go
+    # counters (cheap; always on so tests can check them in any build)
+    cdef readonly long long n_submit_calls
+    cdef readonly long long n_submitted
+    cdef readonly long long n_completed
+    cdef readonly long long n_thread_jobs
+    cdef readonly long long n_requests
+    cdef readonly long long n_live_requests
+    cdef readonly long long n_bounce_buffers
+    cdef readonly long long n_eagain
+    cdef readonly long long n_ring_reaps
+
+    cdef int _enqueue(self, Request req) except -1
+    cdef void _finish(self, ReqC *r) noexcept nogil
+    cdef void _stop_generating(self, ReqC *r) noexcept nogil
+    cdef void _wait_efd(self, int ms) noexcept nogil
+    cdef void _teardown(self) noexcept
+    cdef void _complete_chunk(self, Chunk *ch) noexcept nogil
+    cdef int _gen_chunk(self, ReqC *r, Chunk *ch) noexcept nogil
+    cdef void _generate(self) noexcept nogil
+    cdef void _submit(self) noexcept nogil
+    cdef void _reap(self) noexcept nogil
+    cdef list _collect(self)

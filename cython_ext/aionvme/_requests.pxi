@@ -1,0 +1,201 @@
+# The objects Python code holds: Inode (per-file lock and size hint shared by
+# every open of one file), FileHandle (an fd and how to serve it) and Request
+# (one awaited call: a list of segments, its buffers pinned until finished).
+
+cdef int64_t _INT64_MAX = 0x7fffffffffffffff
+
+
+cdef class Inode:
+    """Per (st_dev, st_ino) state shared by all FileHandles of one file."""
+
+    def __cinit__(self, long long known_size=0):
+        pthread_mutex_init(&self.c.lock, NULL)
+        self.c.known_size = known_size
+
+    def __dealloc__(self):
+        pthread_mutex_destroy(&self.c.lock)
+
+    @property
+    def known_size(self):
+        return self.c.known_size
+
+
+cdef class FileHandle:
+    """An open fd and the way the engine serves it.
+
+    path_kind is PATH_AIO (O_DIRECT fd, kernel AIO) or PATH_THREAD (worker
+    pool); align and mem_align are the O_DIRECT constraints (1 for a buffered
+    fd). Closing with requests in flight is deferred until the last one
+    finishes, so an fd number is never reused under a running transfer.
+    """
+
+    def __cinit__(self, int fd, object path, int path_kind, bint direct, bint readable,
+                  bint writable, long long align, long long mem_align, Inode inode,
+                  object owner=None):
+        if align < 1 or mem_align < 1:
+            raise ValueError("alignment must be >= 1")
+        self.fd = fd
+        self.path = path
+        self.path_kind = path_kind
+        self.direct = direct
+        self.readable = readable
+        self.writable = writable
+        self.align = align
+        self.mem_align = mem_align
+        self.inode = inode
+        self.owner = owner
+
+    cdef int _close_fd(self) except -1:
+        cdef int fd = self.fd
+        self.closed = True
+        self.closing = False
+        self.fd = -1
+        if fd >= 0:
+            with nogil:
+                rc = close(fd)
+            if rc != 0 and errno != EINTR:
+                _raise_errno(errno, self.path)
+        return 0
+
+    def close(self):
+        """Close now, or when the last request on this fd finishes.
+        Returns True if the fd is closed on return."""
+        if self.closed:
+            return True
+        if self.active > 0:
+            self.closing = True
+            return False
+        self._close_fd()
+        return True
+
+    def detach(self):
+        """Forget the fd without closing it (a forked child's copy)."""
+        self.fd = -1
+        self.closed = True
+
+
+cdef class Request:
+    """One call's worth of I/O on one FileHandle. Created by Engine methods."""
+
+    def __dealloc__(self):
+        self._release()
+        if self.c.segs != NULL and self.c.segs != &self.seg0:
+            free(self.c.segs)
+        self.c.segs = NULL
+
+    cdef void _release(self) noexcept:
+        # The kernel is done with every segment: let the exporters go.
+        cdef int i
+        if self.views != NULL:
+            for i in range(self.nviews):
+                if <PyObject *>self.views[i].obj != NULL:
+                    PyBuffer_Release(&self.views[i])
+            if self.views != &self.view0:
+                free(self.views)
+            self.views = NULL
+        self.keep = None
+
+    cdef int _add_segment(self, object buf, object offset, bint writable) except -1:
+        cdef int i = self.c.nsegs
+        cdef Seg *s = &self.c.segs[i]
+        cdef char *addr
+        cdef int64_t n, off
+        try:
+            off = offset
+        except OverflowError:
+            raise _exc.InvalidOffsetError(f"offset {offset} does not fit in a 64-bit file offset") from None
+        except TypeError:
+            raise TypeError(f"offset must be an int, got {type(offset).__name__}") from None
+        if off < 0:
+            raise _exc.InvalidOffsetError(f"offset must be >= 0, got {off}")
+        memset(&self.views[i], 0, sizeof(Py_buffer))
+        _buffer_address(buf, writable, &self.views[i], self.keep, &addr, &n)
+        self.nviews = i + 1
+        if n > _INT64_MAX - off:
+            raise _exc.InvalidOffsetError(f"offset {off} + {n} bytes overflows a 64-bit file offset")
+        s.addr = addr
+        s.nbytes = n
+        s.offset = off
+        if i == 0:
+            self.c.pos = off
+        if off + n > self.c.end_max:
+            self.c.end_max = off + n
+        self.c.nsegs = i + 1
+        return 0
+
+    @property
+    def nbytes(self):
+        cdef int i
+        cdef int64_t n = 0
+        for i in range(self.c.nsegs):
+            n += self.c.segs[i].nbytes
+        return n
+
+    @property
+    def nsegments(self):
+        return self.c.nsegs
+
+    @property
+    def op(self):
+        return ("read", "write", "fsync", "fdatasync")[self.c.op]
+
+    @property
+    def finished(self):
+        return bool(self.c.flags & RF_FINISHED)
+
+    @property
+    def cancelled(self):
+        return bool(self.c.flags & RF_CANCELLED)
+
+    @property
+    def ok(self):
+        return (self.c.flags & RF_FINISHED) and not (self.c.flags & (RF_CANCELLED | RF_SHORT_WRITE)) \
+            and self.c.err == 0 and self.c.short_seg < 0
+
+    def exception(self):
+        """The error this finished request raises, or None."""
+        cdef Seg *s
+        path = self.file.path if self.file is not None else None
+        if self.c.err:
+            return _os_error(self.c.err, path, self.c.err_off, self.nbytes, self.op)
+        if self.c.flags & RF_SHORT_WRITE:
+            return _exc.ShortWriteError(path, self.c.err_off, self.nbytes)
+        if self.c.short_seg >= 0:
+            s = &self.c.segs[self.c.short_seg]
+            return _exc.ShortReadError(path, s.offset, s.nbytes, self.c.short_at - s.offset,
+                                       segment=self.c.short_seg if self.c.nsegs > 1 else None)
+        return None
+
+
+cdef Request _new_request(FileHandle f, int op, int nsegs, int64_t block, int max_inflight):
+    if f.closed or f.closing:
+        raise _exc.ClosedFileError(f"I/O on a closed file: {f.path!r}")
+    if op == OP_READ and not f.readable:
+        raise _exc.UnsupportedOperation(f"file not open for reading: {f.path!r}")
+    if op == OP_WRITE and not f.writable:
+        raise _exc.UnsupportedOperation(f"file not open for writing: {f.path!r}")
+    cdef Request req = Request.__new__(Request)
+    req.file = f
+    req.keep = []
+    memset(&req.c, 0, sizeof(ReqC))
+    req.c.owner = <PyObject *>req
+    req.c.op = op
+    req.c.fd = f.fd
+    req.c.path = f.path_kind
+    req.c.align = f.align
+    req.c.mem_align = f.mem_align
+    if block < f.align:
+        block = f.align
+    req.c.block = block - block % f.align
+    req.c.max_inflight = max_inflight if max_inflight > 0 else 0x7fffffff
+    req.c.inode = &f.inode.c if f.inode is not None else NULL
+    req.c.short_seg = -1
+    if nsegs <= 1:
+        req.c.segs = &req.seg0
+        req.views = &req.view0
+    else:
+        req.c.segs = <Seg *>calloc(nsegs, sizeof(Seg))
+        req.views = <Py_buffer *>calloc(nsegs, sizeof(Py_buffer))
+        if req.c.segs == NULL or req.views == NULL:
+            raise MemoryError()
+    return req

@@ -1,0 +1,26 @@
+# POSIX threads, for the engine's worker pool (C threads that never take the GIL).
+cdef extern from "<pthread.h>" nogil:
+    ctypedef unsigned long pthread_t
+    ctypedef struct pthread_attr_t:
+        pass
+    ctypedef struct pthread_mutex_t:
+        pass
+    ctypedef struct pthread_mutexattr_t:
+        pass
+    ctypedef struct pthread_cond_t:
+        pass
+    ctypedef struct pthread_condattr_t:
+        pass
+
+    int pthread_create(pthread_t *thread, const pthread_attr_t *attr,
+                       void *(*start_routine)(void *) noexcept nogil, void *arg)
+    int pthread_join(pthread_t thread, void **retval)
+    int pthread_mutex_init(pthread_mutex_t *mutex, const pthread_mutexattr_t *attr)
+    int pthread_mutex_destroy(pthread_mutex_t *mutex)
+    int pthread_mutex_lock(pthread_mutex_t *mutex)
+    int pthread_mutex_unlock(pthread_mutex_t *mutex)
+    int pthread_cond_init(pthread_cond_t *cond, const pthread_condattr_t *attr)
+    int pthread_cond_destroy(pthread_cond_t *cond)
+    int pthread_cond_wait(pthread_cond_t *cond, pthread_mutex_t *mutex)
+    int pthread_cond_signal(pthread_cond_t *cond)
+    int pthread_cond_broadcast(pthread_cond_t *cond)

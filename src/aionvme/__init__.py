@@ -1,0 +1,63 @@
+"""aionvme: asyncio-native NVMe I/O for tensors.
+
+::
+
+    import aionvme as nvme
+    await nvme.pread(tensor, "/nvme/w.bin")                      # fills the tensor, or raises
+    await asyncio.gather(*(nvme.pread(t, p) for t, p in jobs))   # many transfers, one loop
+
+Every transfer is an awaitable backed by kernel AIO with O_DIRECT (or a C
+worker pool where AIO or O_DIRECT is not available), batched into one
+io_submit per loop iteration and split into chunks in flight in parallel.
+"""
+
+from __future__ import annotations
+
+from . import defaults
+from ._engine import AlignedBuffer
+from .exceptions import (
+    AionvmeError,
+    BufferTypeError,
+    ClosedFileError,
+    DeviceError,
+    EngineClosedError,
+    InvalidOffsetError,
+    NonContiguousBufferError,
+    ReadOnlyBufferError,
+    ShortReadError,
+    ShortWriteError,
+    UnsupportedOperation,
+)
+from .file import File, fsync, open, pread, pread_many, pwrite, pwrite_many
+from .memory import empty, is_aligned
+from .runtime import aclose, stats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AionvmeError",
+    "AlignedBuffer",
+    "BufferTypeError",
+    "ClosedFileError",
+    "DeviceError",
+    "EngineClosedError",
+    "File",
+    "InvalidOffsetError",
+    "NonContiguousBufferError",
+    "ReadOnlyBufferError",
+    "ShortReadError",
+    "ShortWriteError",
+    "UnsupportedOperation",
+    "__version__",
+    "aclose",
+    "defaults",
+    "empty",
+    "fsync",
+    "is_aligned",
+    "open",
+    "pread",
+    "pread_many",
+    "pwrite",
+    "pwrite_many",
+    "stats",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from aionvme.cli import main
+
+sys.exit(main())

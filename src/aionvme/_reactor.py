@@ -1,0 +1,213 @@
+"""One Reactor per event loop: the bridge between the engine and asyncio.
+
+The engine's eventfd is registered with ``loop.add_reader``; every wakeup
+drains all completions (eventfd counts coalesce). Requests made during one
+loop iteration are queued in the engine and go to the kernel together, in one
+``io_submit``, from a single ``call_soon`` callback. Futures are created,
+resolved and cancelled on the loop's thread only.
+
+Cancellation: kernel AIO cannot cancel file I/O (io_cancel answers EINVAL and
+the transfer still lands). So ``_IOFuture.cancel()`` does not complete the
+future at once: it stops the request from issuing more chunks and the future
+is cancelled when the chunks in flight have been reaped. When an awaiting task
+sees CancelledError, the kernel no longer touches its buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import os
+import weakref
+from typing import Any
+
+from . import defaults
+from ._engine import Engine, Request
+from .exceptions import EngineClosedError
+
+__all__ = ["Reactor", "get_reactor", "new_engine"]
+
+_ATTR = "_aionvme_reactor"
+_engines: weakref.WeakSet[Engine] = weakref.WeakSet()   # every live engine, for fork and exit
+
+
+def new_engine(settings: defaults.Settings | None = None) -> Engine:
+    """An engine shaped by settings (the current defaults if None)."""
+    s = settings or defaults.settings
+    eng = Engine(s.queue_depth, s.threads, s.engine != "thread", s.ring_reap)
+    if s.engine == "aio" and not eng.use_aio:
+        err = eng.aio_error
+        eng.close()
+        raise err
+    _engines.add(eng)
+    return eng
+
+
+class _IOFuture(asyncio.Future):  # type: ignore[type-arg]
+    """A Future whose cancellation waits for the kernel to let go of the buffer."""
+
+    __slots__ = ("_aio_cancelling", "_aio_msg", "_aio_reactor", "_aio_req")
+
+    def cancel(self, msg: Any = None) -> bool:
+        if self.done():
+            return False
+        req = self._aio_req
+        if req is None:
+            return super().cancel(msg)
+        self._aio_cancelling = True
+        self._aio_msg = msg
+        self._aio_reactor._cancel(req)
+        return True
+
+
+class Reactor:
+    """Serves one event loop: owns an Engine, pumps it from the loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, settings: defaults.Settings | None = None) -> None:
+        self.loop = loop
+        self.pid = os.getpid()
+        self.engine = new_engine(settings)
+        self.closed = False
+        self._scheduled = False
+        self._fd = self.engine.fileno()
+        loop.add_reader(self._fd, self._pump)
+
+    # -- submitting ------------------------------------------------------------
+
+    def submit(self, req: Request) -> _IOFuture:
+        """Wrap a queued request in a future; its chunks go out this loop tick."""
+        fut = _IOFuture(loop=self.loop)
+        fut._aio_req = req
+        fut._aio_reactor = self
+        fut._aio_cancelling = False
+        req.future = fut
+        if not self._scheduled:
+            self._scheduled = True
+            self.loop.call_soon(self._flush)
+        return fut
+
+    def _flush(self) -> None:
+        self._scheduled = False
+        self._deliver(self.engine.pump())
+
+    def _pump(self) -> None:
+        self._deliver(self.engine.pump())
+
+    def _cancel(self, req: Request) -> None:
+        self.engine.cancel(req)
+        if not self._scheduled:
+            self._scheduled = True
+            self.loop.call_soon(self._flush)
+
+    def _deliver(self, finished: list[Request]) -> None:
+        for req in finished:
+            fut = req.future
+            if fut is None:
+                continue
+            req.future = None
+            fut._aio_req = None
+            if fut.done():
+                continue
+            if fut._aio_cancelling:
+                asyncio.Future.cancel(fut, fut._aio_msg)
+            elif req.ok:
+                fut.set_result(req.nbytes)
+            else:
+                fut.set_exception(req.exception())
+            cb = req.callback
+            if cb is not None:
+                req.callback = None
+                cb(req)
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def close(self) -> None:
+        """Drain: pending requests are cancelled, in-flight chunks waited for
+        (GIL released), then the engine is freed. Safe on a closed loop."""
+        if self.closed:
+            return
+        self.closed = True
+        if not self.loop.is_closed():
+            try:
+                self.loop.remove_reader(self._fd)
+            except (RuntimeError, ValueError, OSError):
+                pass
+        finished = self.engine.close()
+        if self.loop.is_closed():
+            for req in finished:   # no one can await these any more: just let go
+                req.future = None
+            return
+        for req in finished:
+            fut = req.future
+            if fut is not None and not fut.done() and req.cancelled and not fut._aio_cancelling:
+                req.future = None
+                fut._aio_req = None
+                fut.set_exception(EngineClosedError("the aionvme runtime of this loop was closed"))
+        self._deliver(finished)
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.engine.stats())
+
+
+def _hook_close(loop: asyncio.AbstractEventLoop, reactor: Reactor) -> None:
+    """Drain the reactor when the loop closes (asyncio.run, loop.close()).
+
+    Event loops have no close hook, so the bound method is wrapped on the
+    instance; both asyncio's loops and uvloop's accept instance attributes.
+    Where that fails the reactor is still drained at garbage collection or exit.
+    """
+    original = loop.close
+    ref = weakref.ref(reactor)
+
+    def close() -> None:
+        r = ref()
+        if r is not None:
+            r.close()
+        original()
+
+    try:
+        loop.close = close  # type: ignore[method-assign]
+    except (AttributeError, TypeError):
+        pass
+
+
+def get_reactor(loop: asyncio.AbstractEventLoop | None = None) -> Reactor:
+    """The reactor of loop (default: the running loop), created on first use."""
+    if loop is None:
+        loop = asyncio.get_running_loop()
+    r: Reactor | None = getattr(loop, _ATTR, None)
+    if r is not None and not r.closed and r.pid == os.getpid():
+        return r
+    if loop.is_closed():
+        raise EngineClosedError("the event loop is closed")
+    r = Reactor(loop)
+    setattr(loop, _ATTR, r)
+    if getattr(loop, "_aionvme_close_hooked", False) is False:
+        _hook_close(loop, r)
+        try:
+            loop._aionvme_close_hooked = True  # type: ignore[attr-defined]
+        except AttributeError:
+            pass
+    return r
+
+
+def _after_fork_in_child() -> None:
+    # The child must not touch the parent's AIO contexts (EINVAL) or wait for
+    # worker threads that were not copied: forget them; new engines are made
+    # on first use because reactors and sync engines check the pid.
+    for eng in list(_engines):
+        eng.abandon()
+    _engines.clear()
+
+
+def _at_exit() -> None:
+    # Let every transfer still in flight land before the buffers' memory goes.
+    for eng in list(_engines):
+        try:
+            eng.close()
+        except Exception:  # noqa: BLE001 - exiting; nothing useful to do with it
+            pass
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(_at_exit)

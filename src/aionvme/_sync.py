@@ -1,0 +1,33 @@
+"""Blocking I/O for code without an event loop: one engine per thread, driven
+by ``Engine.run``, which waits on the eventfd with the GIL released."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from ._engine import Engine, Request
+from ._reactor import new_engine
+
+__all__ = ["run", "thread_engine"]
+
+_tls = threading.local()
+
+
+def thread_engine() -> Engine:
+    """This thread's engine for blocking calls (a fresh one after fork)."""
+    pair = getattr(_tls, "pair", None)
+    if pair is None or pair[1] != os.getpid():
+        pair = (new_engine(), os.getpid())
+        _tls.pair = pair
+    eng: Engine = pair[0]
+    return eng
+
+
+def run(req: Request) -> int:
+    """Drive req to the end; return its byte count or raise its error."""
+    thread_engine().run(req)
+    if req.ok:
+        n: int = req.nbytes
+        return n
+    raise req.exception()

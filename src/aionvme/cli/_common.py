@@ -1,0 +1,78 @@
+"""Shared pieces of the subcommands: where to put scratch files, loops, output."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import tempfile
+from collections.abc import Coroutine, Iterator
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_MEMORY_FS = {0x01021994, 0x858458F6}
+
+
+def local_scratch_dir(preferred: str | None = None) -> str:
+    """A directory on a real disk: $TMPDIR unless it is tmpfs/ramfs, else cwd."""
+    from aionvme._engine import fs_type
+
+    for cand in ([preferred] if preferred else []) + [tempfile.gettempdir(), os.getcwd()]:
+        if cand is None:
+            continue
+        try:
+            fd = os.open(cand, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            continue
+        try:
+            if preferred or fs_type(fd) not in _MEMORY_FS:
+                return cand
+        finally:
+            os.close(fd)
+    return os.getcwd()
+
+
+@contextlib.contextmanager
+def scratch_dir(parent: str | None = None, keep: bool = False) -> Iterator[str]:
+    d = tempfile.mkdtemp(prefix="aionvme-", dir=local_scratch_dir(parent))
+    try:
+        yield d
+    finally:
+        if not keep:
+            for name in os.listdir(d):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(d, name))
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+
+
+def run_loop(coro: Coroutine[Any, Any, T], loop: str = "uvloop") -> T:
+    """Run coro on uvloop (when installed and asked for) or asyncio's loop."""
+    if loop == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            loop = "asyncio"
+        else:
+            return uvloop.run(coro)  # type: ignore[no-any-return]
+    return asyncio.run(coro)
+
+
+def drop_caches() -> str | None:
+    """Drop the page cache (root only). Returns None, or why it could not."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return None
+    except OSError as e:
+        return f"cannot drop the page cache ({e.strerror}); O_DIRECT reads bypass it anyway"
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
