@@ -574,13 +574,18 @@ cdef class Engine:
     def threads_started(self):
         return self.pool.nthreads if self.pool != NULL else 0
 
+    @property
+    def is_closed(self):
+        return bool(self.closed)
+
     def stats(self):
         return dict(submit_calls=self.n_submit_calls, submitted=self.n_submitted,
                     completed=self.n_completed, thread_jobs=self.n_thread_jobs,
                     requests=self.n_requests, live_requests=self.n_live_requests,
                     inflight=self.queue_depth - self.nfree, bounce_buffers=self.n_bounce_buffers,
                     eagain=self.n_eagain, ring_reaps=self.n_ring_reaps, use_aio=self.use_aio,
-                    ring_reap=self.ring_reap, threads=self.threads_started)
+                    ring_reap=self.ring_reap, threads=self.threads_started,
+                    closed=bool(self.closed))
 
     # -- lifecycle ------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from aionvme.includes.pthread cimport *
 
 import os
 import sys
+from operator import index as _index
 
 from aionvme import exceptions as _exc
 

@@ -101,6 +101,8 @@ cdef class Request:
         cdef char *addr
         cdef int64_t n, off
         try:
+            if type(offset) is not int:
+                offset = _index(offset)   # ints and numpy ints, not floats
             off = offset
         except OverflowError:
             raise _exc.InvalidOffsetError(f"offset {offset} does not fit in a 64-bit file offset") from None

@@ -54,7 +54,6 @@ _MODES = {
 }
 
 _inodes: weakref.WeakValueDictionary[tuple[Any, int], Inode] = weakref.WeakValueDictionary()
-_fs_types: dict[Any, int] = {}
 
 
 class OpenInfo:
@@ -96,13 +95,6 @@ def _os_open(path: PathLike, flags: int) -> int:
         raise os_error(e.errno, os.fsdecode(path), op="open") from None
 
 
-def _fs_type(fd: int, dev: Any) -> int:
-    t = _fs_types.get(dev)
-    if t is None:
-        t = _fs_types[dev] = fs_type(fd)
-    return t
-
-
 def open_handle(
     path: PathLike, flags: int, readable: bool, writable: bool, direct: bool | None = None,
     owner: object = None,
@@ -131,7 +123,7 @@ def open_handle(
         if not (stat.S_ISREG(mode) or stat.S_ISBLK(mode)):
             raise os_error(errno.ESPIPE, name, op="open (not a regular file or block device)")
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-        fst = _fs_type(fd, st["dev"])
+        fst = fs_type(fd)   # not cached by st_dev: mounts reuse anonymous device numbers
         align, mem_align = st["dio_offset_align"], st["dio_mem_align"]
         if is_direct and fst in _MEMORY_FS:
             # tmpfs takes O_DIRECT but copies inside io_submit: serve it from

@@ -1,0 +1,322 @@
+"""The runtime under concurrency and through its lifecycle: batching, gather
+of many, cancellation, loop close, threads, fork, memory filesystems, and the
+worker-pool engine."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import aionvme as nvme
+from aionvme import _reactor
+
+
+def reactor():
+    return _reactor.get_reactor()
+
+
+async def test_gather_of_10000_small_reads(make_file):
+    path, data = make_file(10_000 * 512 + 4096)
+    bufs = nvme.empty((10_000, 512))
+    async with nvme.open(path) as f:
+        n = await asyncio.gather(*(f.pread(bufs[i], i * 512 + 7) for i in range(10_000)))
+    assert n == [512] * 10_000
+    expect = data[7:7 + 10_000 * 512].reshape(10_000, 512)
+    assert np.array_equal(bufs, expect)
+
+
+async def test_one_io_submit_per_tick_for_a_burst(make_file):
+    path, data = make_file(1 << 20)
+    async with nvme.open(path) as f:
+        await f.pread(nvme.empty(4096), 0)       # warm: reactor exists
+        before = nvme.stats()["submit_calls"]
+        bufs = [nvme.empty(4096) for _ in range(100)]
+        futs = [f.pread(b, i * 4096) for i, b in enumerate(bufs)]   # same tick
+        await asyncio.gather(*futs)
+        assert nvme.stats()["submit_calls"] - before == 1
+    for i, b in enumerate(bufs):
+        assert np.array_equal(b, data[i * 4096:(i + 1) * 4096])
+
+
+async def test_many_requests_beyond_queue_depth_are_all_served(make_file):
+    path, data = make_file(4 << 20)
+    async with nvme.open(path) as f:
+        bufs = [np.zeros(1000, np.uint8) for _ in range(3000)]
+        offs = [(i * 1297) % ((4 << 20) - 1000) for i in range(3000)]
+        await asyncio.gather(*(f.pread(b, o) for b, o in zip(bufs, offs)))
+    for b, o in zip(bufs, offs):
+        assert np.array_equal(b, data[o:o + 1000])
+    s = nvme.stats()
+    assert s["submit_calls"] < 3000 // 8    # batched, not one syscall per request
+
+
+async def test_large_request_is_split_into_parallel_chunks(make_file):
+    path, data = make_file(16 << 20)
+    before = nvme.stats()
+    buf = nvme.empty(16 << 20)
+    await nvme.pread(buf, path, block_size="1M")
+    after = nvme.stats()
+    assert after["submitted"] - before["submitted"] == 16
+    assert after["submit_calls"] - before["submit_calls"] == 1     # all 16 chunks in one io_submit
+    assert np.array_equal(buf, data)
+
+
+async def _cancel_mid_transfer(path: str, size: int, cancel_after: float) -> None:
+    buf = nvme.empty(size)
+    buf[:] = 0xAB
+    task = asyncio.ensure_future(nvme.pread(buf, path, parallelism=2, block_size="256K"))
+    await asyncio.sleep(cancel_after)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # The await has ended: from now on nothing may write into buf.
+    snapshot = buf.copy()
+    assert nvme.stats()["inflight"] == 0
+    await asyncio.sleep(0.3)
+    assert np.array_equal(buf, snapshot)
+
+
+async def test_cancellation_waits_for_chunks_in_flight(make_file):
+    path, _ = make_file(256 << 20)
+    await _cancel_mid_transfer(path, 256 << 20, 0.02)
+
+
+async def test_timeout_is_cancellation_too(make_file):
+    path, _ = make_file(128 << 20)
+    buf = nvme.empty(128 << 20)
+    buf[:] = 0xCD
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(nvme.pread(buf, path, parallelism=1, block_size="128K"), 0.01)
+    snapshot = buf.copy()
+    await asyncio.sleep(0.2)
+    assert np.array_equal(buf, snapshot)
+    assert nvme.stats()["live_requests"] == 0
+
+
+async def test_cancel_many_at_once(make_file):
+    path, data = make_file(32 << 20)
+    bufs = [nvme.empty(1 << 20) for _ in range(200)]
+    async with nvme.open(path) as f:
+        futs = [f.pread(b, (i % 32) << 20) for i, b in enumerate(bufs)]
+        g = asyncio.gather(*futs)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0.001)
+        g.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await g
+        # gather's own future ends at the first cancelled child; each child
+        # ends only when its chunks in flight are reaped.
+        await asyncio.wait(futs)
+        assert all(x.cancelled() or x.result() == 1 << 20 for x in futs)
+        assert any(x.cancelled() for x in futs)
+        assert nvme.stats()["inflight"] == 0
+        # the runtime is still fine
+        out = nvme.empty(1 << 20)
+        await f.pread(out, 5 << 20)
+        assert np.array_equal(out, data[5 << 20:6 << 20])
+
+
+async def test_cancel_before_submission_never_touches_the_buffer(make_file):
+    path, _ = make_file(1 << 20)
+    buf = np.full(1 << 20, 7, np.uint8)
+    fut = nvme.pread(buf, path)
+    assert fut.cancel()          # same tick: nothing was submitted yet
+    with pytest.raises(asyncio.CancelledError):
+        await fut
+    await asyncio.sleep(0.05)
+    assert (buf == 7).all()
+
+
+def test_loop_close_with_requests_in_flight(make_file):
+    path, data = make_file(64 << 20)
+    loop = asyncio.new_event_loop()
+    bufs = [nvme.empty(8 << 20) for _ in range(8)]
+
+    async def start():
+        return [asyncio.ensure_future(nvme.pread(b, path, i * (8 << 20))) for i, b in enumerate(bufs)]
+
+    tasks = loop.run_until_complete(start())
+    loop.run_until_complete(asyncio.sleep(0.001))
+    eng = loop._aionvme_reactor.engine
+    t0 = time.monotonic()
+    loop.close()                   # drains: must neither hang nor leave the kernel writing
+    assert time.monotonic() - t0 < 30
+    assert eng.is_closed and eng.stats()["inflight"] == 0
+    snap = [b.copy() for b in bufs]
+    time.sleep(0.2)
+    assert all(np.array_equal(a, b) for a, b in zip(snap, bufs))
+    del tasks
+    # a new loop in the same thread works
+    out = nvme.empty(1 << 20)
+    asyncio.run(_read_into(out, path, 1 << 20))
+    assert np.array_equal(out, data[1 << 20:2 << 20])
+
+
+async def _read_into(buf, path, off):
+    await nvme.pread(buf, path, off)
+
+
+def test_several_loops_in_several_threads(make_file):
+    path, data = make_file(8 << 20)
+    errors: list[BaseException] = []
+
+    def worker(k: int) -> None:
+        async def main():
+            bufs = [nvme.empty(64 << 10) for _ in range(64)]
+            offs = [((i * 7 + k) % 120) << 16 for i in range(64)]
+            await asyncio.gather(*(nvme.pread(b, path, o) for b, o in zip(bufs, offs)))
+            for b, o in zip(bufs, offs):
+                assert np.array_equal(b, data[o:o + (64 << 10)])
+            return _reactor.get_reactor()
+
+        try:
+            if k % 2:
+                import uvloop
+                r = uvloop.run(main())
+            else:
+                r = asyncio.run(main())
+            assert r.closed    # drained when its loop closed
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+
+
+def test_fork_child_does_its_own_io(make_file):
+    path, data = make_file(4 << 20)
+
+    async def read_all():
+        buf = nvme.empty(4 << 20)
+        await nvme.pread(buf, path)
+        return buf
+
+    assert np.array_equal(asyncio.run(read_all()), data)
+    with nvme.open(path, "r+") as f:
+        f.sync_pread(nvme.empty(4096), 0)     # the parent's sync engine exists too
+        pid = os.fork()
+        if pid == 0:   # child: new contexts, both APIs
+            code = 1
+            try:
+                ok = np.array_equal(asyncio.run(read_all()), data)
+                b = nvme.empty(4096)
+                f.sync_pread(b, 4096)
+                ok = ok and np.array_equal(b, data[4096:8192])
+                code = 0 if ok else 1
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        b = nvme.empty(4096)
+        f.sync_pread(b, 8192)      # the parent is unaffected
+        assert np.array_equal(b, data[8192:12288])
+    assert np.array_equal(asyncio.run(read_all()), data)
+
+
+async def test_sync_api_from_a_thread_while_the_loop_runs(make_file):
+    path, data = make_file(2 << 20)
+    out = nvme.empty(1 << 20)
+
+    def blocking():
+        with nvme.open(path) as f:
+            f.sync_pread(out, 1 << 20)
+
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0.001)
+
+    t = asyncio.ensure_future(ticker())
+    await asyncio.to_thread(blocking)
+    t.cancel()
+    assert np.array_equal(out, data[1 << 20:])
+
+
+async def test_ramfs_falls_back_to_buffered(ramfs_dir):
+    path = str(ramfs_dir / "r.bin")
+    src = np.random.default_rng(3).integers(0, 256, 1_000_003, dtype=np.uint8)
+    with nvme.open(path, "w+") as f:
+        assert not f.direct and "O_DIRECT" in f.info.reason
+        await f.pwrite(src, 5)
+        dst = np.zeros_like(src)
+        await f.pread(dst, 5)
+    assert np.array_equal(src, dst)
+    assert await nvme.pread(dst[:10], path, 5) == 10
+
+
+async def test_tmpfs_is_served_buffered_by_workers(tmpfs_dir):
+    path = str(tmpfs_dir / "t.bin")
+    src = np.random.default_rng(4).integers(0, 256, 3_000_001, dtype=np.uint8)
+    await nvme.pwrite(src, path, 3)
+    with nvme.open(path) as f:
+        assert not f.direct and "tmpfs" in f.info.reason
+        dst = np.zeros_like(src)
+        await f.pread(dst, 3)
+    assert np.array_equal(src, dst)
+
+
+@pytest.mark.parametrize("settings", [dict(engine="thread"), dict(ring_reap=False), dict(direct=False),
+                                      dict(queue_depth=4, block_size="64K")])
+def test_engine_variants_roundtrip(make_file, settings):
+    path, data = make_file((5 << 20) + 333)
+
+    async def main():
+        out = np.zeros(len(data) - 11, np.uint8)
+        await nvme.pread(out, path, 11)
+        assert np.array_equal(out, data[11:])
+        await nvme.pwrite(out[:100_001], path + ".w", 77)
+        back = np.zeros(100_001, np.uint8)
+        await nvme.pread(back, path + ".w", 77)
+        assert np.array_equal(back, out[:100_001])
+        return nvme.stats()
+
+    with nvme.defaults.set(**settings):
+        s = asyncio.run(main())
+    if settings.get("engine") == "thread":
+        assert not s["use_aio"] and s["thread_jobs"] > 0
+    if settings.get("ring_reap") is False:
+        assert s["ring_reaps"] == 0
+
+
+async def test_fsync_runs_on_a_worker(tmp_dir):
+    path = str(tmp_dir / "s.bin")
+    async with nvme.open(path, "w") as f:
+        await f.pwrite(b"durable", 0)
+        assert await f.fsync() == 0
+        assert await f.fdatasync() == 0
+    assert open(path, "rb").read() == b"durable"
+
+
+async def test_closing_a_file_with_reads_in_flight_defers_the_close(make_file):
+    path, data = make_file(32 << 20)
+    f = nvme.open(path)
+    buf = nvme.empty(32 << 20)
+    fut = f.pread(buf, 0)
+    f.close()                         # the fd stays open for the read
+    assert f.closed
+    await fut
+    assert np.array_equal(buf, data)
+    with pytest.raises(nvme.ClosedFileError):
+        await f.pread(buf, 0)
+
+
+def test_unclosed_file_warns(make_file):
+    import gc
+
+    path, _ = make_file(10)
+    f = nvme.open(path)
+    with pytest.warns(ResourceWarning):
+        del f
+        gc.collect()
