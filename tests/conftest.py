@@ -89,8 +89,9 @@ def tmpfs_dir(tmp_path: Path) -> Iterator[Path]:
         pytest.skip("needs root to mount tmpfs")
     d = tmp_path / "tmpfs"
     d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "none", str(d)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256m", "none", str(d)], capture_output=True, text=True
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount tmpfs: {r.stderr.strip()}")
     try:

@@ -28,8 +28,10 @@ async def test_short_read_at_eof_says_how_much_arrived(make_file):
     assert "3000 of 5000" in str(e)
 
 
-@pytest.mark.parametrize("size,offset,nbytes", [(10_000, 10_000, 10), (10_000, 20_000, 4096),
-                                                (3 << 20, (3 << 20) - 1, 2 << 20), (0, 0, 1)])
+@pytest.mark.parametrize(
+    "size,offset,nbytes",
+    [(10_000, 10_000, 10), (10_000, 20_000, 4096), (3 << 20, (3 << 20) - 1, 2 << 20), (0, 0, 1)],
+)
 async def test_short_reads_at_and_past_eof(make_file, size, offset, nbytes):
     path, _ = make_file(size)
     with pytest.raises(nvme.ShortReadError) as ei:
@@ -92,8 +94,13 @@ def test_permission_denied(make_file):
         if shutil.which("setpriv") is None:
             pytest.skip("root without setpriv(1): cannot drop CAP_DAC_OVERRIDE to test permissions")
         cmd = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", *cmd]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    r = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["read-denied", "write-denied"]
 
@@ -181,6 +188,7 @@ async def test_eio_style_errors_carry_offset(make_file):
     fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
     try:
         from aionvme._engine import KERNEL_AIO, FileHandle, Inode
+
         from aionvme._reactor import get_reactor
 
         h = FileHandle(fd, path, KERNEL_AIO, True, True, True, 512, 512, Inode(8192))

@@ -20,7 +20,7 @@ OFFSETS = [0, 1, 511, 512, 4096, 4097, 1 << 20, 5 * (1 << 20) + 3]
 def misaligned(n: int, shift: int) -> np.ndarray:
     """A writable uint8 view whose address is `shift` bytes past a page boundary."""
     base = nvme.empty(n + 4096 * 2)
-    return base[shift:shift + n]
+    return base[shift : shift + n]
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -66,7 +66,7 @@ async def test_large_odd_roundtrip_64mib(tmp_dir):
     src = np.random.default_rng(7).integers(0, 256, size=size, dtype=np.uint8)
     path = str(tmp_dir / "big.bin")
     assert await nvme.pwrite(src, path) == size
-    assert os.path.getsize(path) == size          # no O_DIRECT padding left behind
+    assert os.path.getsize(path) == size  # no O_DIRECT padding left behind
     dst = nvme.empty(size)
     assert await nvme.pread(dst, path) == size
     assert np.array_equal(src, dst)
@@ -107,7 +107,9 @@ async def test_positional_write_does_not_truncate(make_file):
     assert np.array_equal(raw, expect)
 
 
-@pytest.mark.parametrize("kind", ["numpy", "numpy2d", "torch", "torch_f16", "bytearray", "memoryview", "mmap"])
+@pytest.mark.parametrize(
+    "kind", ["numpy", "numpy2d", "torch", "torch_f16", "bytearray", "memoryview", "mmap"]
+)
 async def test_buffer_types(make_file, kind):
     size = 3 * 4096 + 100
     path, data = make_file(size + 50)
@@ -122,13 +124,13 @@ async def test_buffer_types(make_file, kind):
     elif kind == "bytearray":
         buf = bytearray(size)
     elif kind == "memoryview":
-        buf = memoryview(bytearray(size + 10))[5:5 + size]
+        buf = memoryview(bytearray(size + 10))[5 : 5 + size]
     else:
         buf = mmap.mmap(-1, size)
     nbytes = buf.numel() * buf.element_size() if isinstance(buf, torch.Tensor) else memoryview(buf).nbytes
     assert await nvme.pread(buf, path, 50) == nbytes
     got = buf.view(torch.uint8).numpy().tobytes() if isinstance(buf, torch.Tensor) else bytes(memoryview(buf))
-    assert got == data[50:50 + nbytes].tobytes()
+    assert got == data[50 : 50 + nbytes].tobytes()
     # and write it back elsewhere from the same object
     out = path + ".out"
     assert await nvme.pwrite(buf, out, 3) == nbytes
@@ -138,7 +140,7 @@ async def test_buffer_types(make_file, kind):
 async def test_torch_tensor_view_with_storage_offset(make_file):
     path, data = make_file(10_000)
     base = torch.zeros(20_000, dtype=torch.uint8)
-    view = base[123:123 + 5000]
+    view = base[123 : 123 + 5000]
     await nvme.pread(view, path, 17)
     assert view.numpy().tobytes() == data[17:5017].tobytes()
     assert int(base[:123].sum()) == 0 and int(base[5123:].sum()) == 0
@@ -189,12 +191,12 @@ async def test_pread_many_and_pwrite_many(make_file):
         n = await f.pread_many(items)
         assert n == sum(len(b) for b, _ in items)
         for b, o in items:
-            assert np.array_equal(b, data[o:o + len(b)])
+            assert np.array_equal(b, data[o : o + len(b)])
         news = [(np.full(10, i, np.uint8), 500_000 + i * 4099) for i in range(50)]
         assert await f.pwrite_many(news) == 500
     raw = np.fromfile(path, np.uint8)
     for b, o in news:
-        assert np.array_equal(raw[o:o + 10], b)
+        assert np.array_equal(raw[o : o + 10], b)
 
 
 def test_sync_api_without_a_loop(make_file):

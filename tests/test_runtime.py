@@ -26,21 +26,21 @@ async def test_gather_of_10000_small_reads(make_file):
     async with nvme.open(path) as f:
         n = await asyncio.gather(*(f.pread(bufs[i], i * 512 + 7) for i in range(10_000)))
     assert n == [512] * 10_000
-    expect = data[7:7 + 10_000 * 512].reshape(10_000, 512)
+    expect = data[7 : 7 + 10_000 * 512].reshape(10_000, 512)
     assert np.array_equal(bufs, expect)
 
 
 async def test_one_io_submit_per_tick_for_a_burst(make_file):
     path, data = make_file(1 << 20)
     async with nvme.open(path) as f:
-        await f.pread(nvme.empty(4096), 0)       # warm: reactor exists
+        await f.pread(nvme.empty(4096), 0)  # warm: reactor exists
         before = nvme.stats()["submit_calls"]
         bufs = [nvme.empty(4096) for _ in range(100)]
-        futs = [f.pread(b, i * 4096) for i, b in enumerate(bufs)]   # same tick
+        futs = [f.pread(b, i * 4096) for i, b in enumerate(bufs)]  # same tick
         await asyncio.gather(*futs)
         assert nvme.stats()["submit_calls"] - before == 1
     for i, b in enumerate(bufs):
-        assert np.array_equal(b, data[i * 4096:(i + 1) * 4096])
+        assert np.array_equal(b, data[i * 4096 : (i + 1) * 4096])
 
 
 async def test_many_requests_beyond_queue_depth_are_all_served(make_file):
@@ -50,9 +50,9 @@ async def test_many_requests_beyond_queue_depth_are_all_served(make_file):
         offs = [(i * 1297) % ((4 << 20) - 1000) for i in range(3000)]
         await asyncio.gather(*(f.pread(b, o) for b, o in zip(bufs, offs)))
     for b, o in zip(bufs, offs):
-        assert np.array_equal(b, data[o:o + 1000])
+        assert np.array_equal(b, data[o : o + 1000])
     s = nvme.stats()
-    assert s["submit_calls"] < 3000 // 8    # batched, not one syscall per request
+    assert s["submit_calls"] < 3000 // 8  # batched, not one syscall per request
 
 
 async def test_large_request_is_split_into_parallel_chunks(make_file):
@@ -62,7 +62,7 @@ async def test_large_request_is_split_into_parallel_chunks(make_file):
     await nvme.pread(buf, path, block_size="1M")
     after = nvme.stats()
     assert after["submitted"] - before["submitted"] == 16
-    assert after["submit_calls"] - before["submit_calls"] == 1     # all 16 chunks in one io_submit
+    assert after["submit_calls"] - before["submit_calls"] == 1  # all 16 chunks in one io_submit
     assert np.array_equal(buf, data)
 
 
@@ -118,14 +118,14 @@ async def test_cancel_many_at_once(make_file):
         # the runtime is still fine
         out = nvme.empty(1 << 20)
         await f.pread(out, 5 << 20)
-        assert np.array_equal(out, data[5 << 20:6 << 20])
+        assert np.array_equal(out, data[5 << 20 : 6 << 20])
 
 
 async def test_cancel_before_submission_never_touches_the_buffer(make_file):
     path, _ = make_file(1 << 20)
     buf = np.full(1 << 20, 7, np.uint8)
     fut = nvme.pread(buf, path)
-    assert fut.cancel()          # same tick: nothing was submitted yet
+    assert fut.cancel()  # same tick: nothing was submitted yet
     with pytest.raises(asyncio.CancelledError):
         await fut
     await asyncio.sleep(0.05)
@@ -144,7 +144,7 @@ def test_loop_close_with_requests_in_flight(make_file):
     loop.run_until_complete(asyncio.sleep(0.001))
     eng = loop._aionvme_reactor.engine
     t0 = time.monotonic()
-    loop.close()                   # drains: must neither hang nor leave the kernel writing
+    loop.close()  # drains: must neither hang nor leave the kernel writing
     assert time.monotonic() - t0 < 30
     assert eng.is_closed and eng.stats()["inflight"] == 0
     snap = [b.copy() for b in bufs]
@@ -154,7 +154,7 @@ def test_loop_close_with_requests_in_flight(make_file):
     # a new loop in the same thread works
     out = nvme.empty(1 << 20)
     asyncio.run(_read_into(out, path, 1 << 20))
-    assert np.array_equal(out, data[1 << 20:2 << 20])
+    assert np.array_equal(out, data[1 << 20 : 2 << 20])
 
 
 async def _read_into(buf, path, off):
@@ -171,17 +171,18 @@ def test_several_loops_in_several_threads(make_file):
             offs = [((i * 7 + k) % 120) << 16 for i in range(64)]
             await asyncio.gather(*(nvme.pread(b, path, o) for b, o in zip(bufs, offs)))
             for b, o in zip(bufs, offs):
-                assert np.array_equal(b, data[o:o + (64 << 10)])
+                assert np.array_equal(b, data[o : o + (64 << 10)])
             return _reactor.get_reactor()
 
         try:
             if k % 2:
                 import uvloop
+
                 r = uvloop.run(main())
             else:
                 r = asyncio.run(main())
-            assert r.closed    # drained when its loop closed
-        except BaseException as e:  # noqa: BLE001 - reported below
+            assert r.closed  # drained when its loop closed
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
@@ -202,9 +203,9 @@ def test_fork_child_does_its_own_io(make_file):
 
     assert np.array_equal(asyncio.run(read_all()), data)
     with nvme.open(path, "r+") as f:
-        f.sync_pread(nvme.empty(4096), 0)     # the parent's sync engine exists too
+        f.sync_pread(nvme.empty(4096), 0)  # the parent's sync engine exists too
         pid = os.fork()
-        if pid == 0:   # child: new contexts, both APIs
+        if pid == 0:  # child: new contexts, both APIs
             code = 1
             try:
                 ok = np.array_equal(asyncio.run(read_all()), data)
@@ -217,7 +218,7 @@ def test_fork_child_does_its_own_io(make_file):
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
         b = nvme.empty(4096)
-        f.sync_pread(b, 8192)      # the parent is unaffected
+        f.sync_pread(b, 8192)  # the parent is unaffected
         assert np.array_equal(b, data[8192:12288])
     assert np.array_equal(asyncio.run(read_all()), data)
 
@@ -241,7 +242,7 @@ async def test_sync_api_from_a_thread_while_the_loop_runs(make_file):
     t = asyncio.ensure_future(ticker())
     await asyncio.to_thread(blocking)
     t.cancel()
-    assert np.array_equal(out, data[1 << 20:])
+    assert np.array_equal(out, data[1 << 20 :])
 
 
 async def test_ramfs_falls_back_to_buffered(ramfs_dir):
@@ -267,8 +268,10 @@ async def test_tmpfs_is_served_buffered_by_workers(tmpfs_dir):
     assert np.array_equal(src, dst)
 
 
-@pytest.mark.parametrize("settings", [dict(engine="thread"), dict(ring_reap=False), dict(direct=False),
-                                      dict(queue_depth=4, block_size="64K")])
+@pytest.mark.parametrize(
+    "settings",
+    [dict(engine="thread"), dict(ring_reap=False), dict(direct=False), dict(queue_depth=4, block_size="64K")],
+)
 def test_engine_variants_roundtrip(make_file, settings):
     path, data = make_file((5 << 20) + 333)
 
@@ -304,7 +307,7 @@ async def test_closing_a_file_with_reads_in_flight_defers_the_close(make_file):
     f = nvme.open(path)
     buf = nvme.empty(32 << 20)
     fut = f.pread(buf, 0)
-    f.close()                         # the fd stays open for the read
+    f.close()  # the fd stays open for the read
     assert f.closed
     await fut
     assert np.array_equal(buf, data)

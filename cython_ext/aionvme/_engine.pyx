@@ -13,7 +13,7 @@ from cpython.object cimport PyObject
 from cpython.ref cimport Py_DECREF, Py_INCREF
 from libc.errno cimport EAGAIN, EINTR, EINVAL, ENOMEM, EOPNOTSUPP, errno
 from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
-from libc.stdlib cimport calloc, free, malloc
+from libc.stdlib cimport calloc, free
 from libc.string cimport memcpy, memmove, memset
 
 from aionvme.includes.linux cimport *

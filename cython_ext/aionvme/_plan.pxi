@@ -14,8 +14,8 @@
 # align == 1 (buffered fd) makes every chunk a direct middle chunk.
 
 cdef struct Plan:
-    int64_t foff        # kernel transfer: file offset
-    int64_t len         #                  length
+    int64_t foff        # file offset of the kernel transfer
+    int64_t len         # length of the kernel transfer
     int64_t upos        # first user byte's file offset
     int64_t ulen        # user bytes covered
     int64_t uskip       # bounce: where the user's bytes start in it

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import os
 import weakref
 from typing import Any
@@ -28,7 +29,7 @@ from .exceptions import EngineClosedError
 __all__ = ["Reactor", "get_reactor", "new_engine"]
 
 _ATTR = "_aionvme_reactor"
-_engines: weakref.WeakSet[Engine] = weakref.WeakSet()   # every live engine, for fork and exit
+_engines: weakref.WeakSet[Engine] = weakref.WeakSet()  # every live engine, for fork and exit
 
 
 def new_engine(settings: defaults.Settings | None = None) -> Engine:
@@ -36,7 +37,7 @@ def new_engine(settings: defaults.Settings | None = None) -> Engine:
     s = settings or defaults.settings
     eng = Engine(s.queue_depth, s.threads, s.engine != "thread", s.ring_reap)
     if s.engine == "aio" and not eng.use_aio:
-        err = eng.aio_error
+        err = eng.aio_error or OSError("kernel AIO is unavailable")
         eng.close()
         raise err
     _engines.add(eng)
@@ -47,6 +48,10 @@ class _IOFuture(asyncio.Future):  # type: ignore[type-arg]
     """A Future whose cancellation waits for the kernel to let go of the buffer."""
 
     __slots__ = ("_aio_cancelling", "_aio_msg", "_aio_reactor", "_aio_req")
+    _aio_cancelling: bool
+    _aio_msg: Any
+    _aio_reactor: Reactor
+    _aio_req: Request | None
 
     def cancel(self, msg: Any = None) -> bool:
         if self.done():
@@ -128,13 +133,11 @@ class Reactor:
             return
         self.closed = True
         if not self.loop.is_closed():
-            try:
+            with contextlib.suppress(RuntimeError, ValueError, OSError):
                 self.loop.remove_reader(self._fd)
-            except (RuntimeError, ValueError, OSError):
-                pass
         finished = self.engine.close()
         if self.loop.is_closed():
-            for req in finished:   # no one can await these any more: just let go
+            for req in finished:  # no one can await these any more: just let go
                 req.future = None
             return
         for req in finished:
@@ -149,26 +152,24 @@ class Reactor:
         return dict(self.engine.stats())
 
 
-def _hook_close(loop: asyncio.AbstractEventLoop, reactor: Reactor) -> None:
-    """Drain the reactor when the loop closes (asyncio.run, loop.close()).
+def _hook_close(loop: asyncio.AbstractEventLoop) -> None:
+    """Drain the loop's reactor when the loop closes (asyncio.run, loop.close()).
 
     Event loops have no close hook, so the bound method is wrapped on the
     instance; both asyncio's loops and uvloop's accept instance attributes.
     Where that fails the reactor is still drained at garbage collection or exit.
     """
     original = loop.close
-    ref = weakref.ref(reactor)
 
     def close() -> None:
-        r = ref()
+        r = getattr(loop, _ATTR, None)
         if r is not None:
             r.close()
         original()
 
-    try:
+    with contextlib.suppress(AttributeError, TypeError):
         loop.close = close  # type: ignore[method-assign]
-    except (AttributeError, TypeError):
-        pass
+        loop._aionvme_close_hooked = True  # type: ignore[attr-defined]
 
 
 def get_reactor(loop: asyncio.AbstractEventLoop | None = None) -> Reactor:
@@ -182,12 +183,8 @@ def get_reactor(loop: asyncio.AbstractEventLoop | None = None) -> Reactor:
         raise EngineClosedError("the event loop is closed")
     r = Reactor(loop)
     setattr(loop, _ATTR, r)
-    if getattr(loop, "_aionvme_close_hooked", False) is False:
-        _hook_close(loop, r)
-        try:
-            loop._aionvme_close_hooked = True  # type: ignore[attr-defined]
-        except AttributeError:
-            pass
+    if not getattr(loop, "_aionvme_close_hooked", False):
+        _hook_close(loop)
     return r
 
 
@@ -203,10 +200,8 @@ def _after_fork_in_child() -> None:
 def _at_exit() -> None:
     # Let every transfer still in flight land before the buffers' memory goes.
     for eng in list(_engines):
-        try:
+        with contextlib.suppress(Exception):
             eng.close()
-        except Exception:  # noqa: BLE001 - exiting; nothing useful to do with it
-            pass
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -30,4 +30,5 @@ def run(req: Request) -> int:
     if req.ok:
         n: int = req.nbytes
         return n
-    raise req.exception()
+    exc = req.exception()
+    raise exc if exc is not None else RuntimeError("request ended without a result")

@@ -144,11 +144,10 @@ class _Restore:
             settings = self._previous
 
 
-def set(**values: Any) -> _Restore:  # noqa: A001 - the name is the API (kvikio.defaults.set)
+def set(**values: Any) -> _Restore:
     """Change defaults now; use as ``with set(...):`` to restore them afterwards."""
     global settings
     with _lock:
         previous = settings
         settings = replace(settings, **Settings.coerce(**values))
     return _Restore(previous)
-

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno as _errno
 import io
 import os
+from typing import Any
 
 __all__ = [
     "AionvmeError",
@@ -91,7 +92,7 @@ class ShortReadError(AionvmeError, EOFError):
             f"of {filename!r}: the file ends at {offset + received}"
         )
 
-    def __reduce__(self):  # keep pickling working (multiprocessing, loaders)
+    def __reduce__(self) -> tuple[Any, ...]:  # keep pickling working (multiprocessing, loaders)
         return (type(self), (self.filename, self.offset, self.expected, self.received, self.segment))
 
 
@@ -102,7 +103,9 @@ class ShortWriteError(AionvmeError, OSError):
     """
 
     def __init__(self, filename: object, offset: int, nbytes: int) -> None:
-        super().__init__(_errno.EIO, f"short write: stopped at offset {offset} of a {nbytes}-byte write", filename)
+        super().__init__(
+            _errno.EIO, f"short write: stopped at offset {offset} of a {nbytes}-byte write", filename
+        )
         self.offset = offset
         self.nbytes = nbytes
 
@@ -110,7 +113,9 @@ class ShortWriteError(AionvmeError, OSError):
 class CuFileError(AionvmeError, OSError):
     """A cuFile (GPUDirect Storage) call failed; ``code`` and ``code_name`` are cuFile's."""
 
-    def __init__(self, code: int, code_name: str, message: str, filename: object = None, err: int = _errno.EIO) -> None:
+    def __init__(
+        self, code: int, code_name: str, message: str, filename: object = None, err: int = _errno.EIO
+    ) -> None:
         super().__init__(err, f"{message}: cuFile error {code} ({code_name})", filename)
         self.code = code
         self.code_name = code_name

@@ -39,7 +39,7 @@ FS_NAMES = {
     0x9FA0: "proc",
 }
 _MEMORY_FS = {0x01021994, 0x858458F6}
-_DEFAULT_ALIGN = 4096   # when the kernel does not say: safe for every device we know
+_DEFAULT_ALIGN = 4096  # when the kernel does not say: safe for every device we know
 _BLKSSZGET = 0x1268
 
 _MODES = {
@@ -73,8 +73,10 @@ class OpenInfo:
         return FS_NAMES.get(self.fs_type, hex(self.fs_type))
 
     def __repr__(self) -> str:
-        return (f"OpenInfo(direct={self.direct}, align={self.align}, mem_align={self.mem_align}, "
-                f"fs={self.fs_name}, reason={self.reason!r})")
+        return (
+            f"OpenInfo(direct={self.direct}, align={self.align}, mem_align={self.mem_align}, "
+            f"fs={self.fs_name}, reason={self.reason!r})"
+        )
 
 
 def _parse_mode(mode: str) -> tuple[int, bool, bool]:
@@ -92,11 +94,15 @@ def _os_open(path: PathLike, flags: int) -> int:
     try:
         return os.open(path, flags | os.O_CLOEXEC | os.O_NONBLOCK, 0o666)
     except OSError as e:
-        raise os_error(e.errno, os.fsdecode(path), op="open") from None
+        raise os_error(e.errno or errno.EIO, os.fsdecode(path), op="open") from None
 
 
 def open_handle(
-    path: PathLike, flags: int, readable: bool, writable: bool, direct: bool | None = None,
+    path: PathLike,
+    flags: int,
+    readable: bool,
+    writable: bool,
+    direct: bool | None = None,
     owner: object = None,
 ) -> tuple[FileHandle, OpenInfo]:
     """Open path for the engine: O_DIRECT when asked and possible, else buffered."""
@@ -111,7 +117,7 @@ def open_handle(
             is_direct = True
         except OSError as e:
             if e.errno != errno.EINVAL:
-                raise os_error(e.errno, name, op="open") from None
+                raise os_error(e.errno or errno.EIO, name, op="open") from None
             reason = "the filesystem refuses O_DIRECT (EINVAL at open)"
     if fd < 0:
         fd = _os_open(path, flags)
@@ -123,7 +129,7 @@ def open_handle(
         if not (stat.S_ISREG(mode) or stat.S_ISBLK(mode)):
             raise os_error(errno.ESPIPE, name, op="open (not a regular file or block device)")
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-        fst = fs_type(fd)   # not cached by st_dev: mounts reuse anonymous device numbers
+        fst = fs_type(fd)  # not cached by st_dev: mounts reuse anonymous device numbers
         align, mem_align = st["dio_offset_align"], st["dio_mem_align"]
         if is_direct and fst in _MEMORY_FS:
             # tmpfs takes O_DIRECT but copies inside io_submit: serve it from
@@ -176,7 +182,9 @@ def _handle_for(file: File | PathLike | int, write: bool) -> tuple[FileHandle, b
     """(handle, temporary): a File's own handle, or one opened for this call."""
     if isinstance(file, File):
         return file._handle(), False
-    if isinstance(file, int) and not isinstance(file, bool):
+    if isinstance(file, bool):
+        raise TypeError("file must be a path, an aionvme.File or an fd, not a bool")
+    if isinstance(file, int):
         return _handle_from_fd(file), True
     if write:
         h, _ = open_handle(file, os.O_RDWR | os.O_CREAT, True, True)
@@ -190,7 +198,7 @@ def _handle_from_fd(fd: int) -> FileHandle:
     try:
         fl = fcntl.fcntl(fd, fcntl.F_GETFL)
     except OSError as e:
-        raise os_error(e.errno, f"<fd {fd}>", op="fcntl") from None
+        raise os_error(e.errno or errno.EIO, f"<fd {fd}>", op="fcntl") from None
     dup = os.dup(fd)
     acc = fl & os.O_ACCMODE
     try:
@@ -209,9 +217,17 @@ def _handle_from_fd(fd: int) -> FileHandle:
         if inode is None:
             inode = Inode(st["size"])
             _inodes[key] = inode
-        return FileHandle(dup, f"<fd {fd}>", KERNEL_AIO if direct else WORKER_POOL, direct,
-                          acc in (os.O_RDONLY, os.O_RDWR), acc in (os.O_WRONLY, os.O_RDWR),
-                          align, mem_align, inode)
+        return FileHandle(
+            dup,
+            f"<fd {fd}>",
+            KERNEL_AIO if direct else WORKER_POOL,
+            direct,
+            acc in (os.O_RDONLY, os.O_RDWR),
+            acc in (os.O_WRONLY, os.O_RDWR),
+            align,
+            mem_align,
+            inode,
+        )
     except BaseException:
         os.close(dup)
         raise
@@ -288,15 +304,21 @@ class File:
         try:
             os.ftruncate(h.fd, size)
         except OSError as e:
-            raise os_error(e.errno, self.path, offset=size, op="ftruncate") from None
+            raise os_error(e.errno or errno.EIO, self.path, offset=size, op="ftruncate") from None
 
     def _params(self) -> tuple[int, int]:
         s = defaults.settings
-        return (self.block_size or s.block_size,
-                self.parallelism if self.parallelism is not None else s.max_inflight)
+        return (
+            self.block_size or s.block_size,
+            self.parallelism if self.parallelism is not None else s.max_inflight,
+        )
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else ("O_DIRECT" if self._h is not None and self._h.direct else "buffered")
+        state = (
+            "closed"
+            if self.closed
+            else ("O_DIRECT" if self._h is not None and self._h.direct else "buffered")
+        )
         return f"<aionvme.File {self.path!r} mode={self.mode!r} {state}>"
 
     # -- async I/O -----------------------------------------------------------------
@@ -394,7 +416,7 @@ class File:
             h.close()
 
 
-def open(  # noqa: A001 - mirrors builtins.open
+def open(
     path: PathLike,
     mode: str = "r",
     *,
@@ -408,13 +430,19 @@ def open(  # noqa: A001 - mirrors builtins.open
 
 def _params(block_size: int | str | None, parallelism: int | None) -> tuple[int, int]:
     s = defaults.settings
-    return (defaults.parse_size(block_size) if block_size is not None else s.block_size,
-            parallelism if parallelism is not None else s.max_inflight)
+    return (
+        defaults.parse_size(block_size) if block_size is not None else s.block_size,
+        parallelism if parallelism is not None else s.max_inflight,
+    )
 
 
 def pread(
-    buf: Any, file: File | PathLike | int, offset: int = 0, *,
-    block_size: int | str | None = None, parallelism: int | None = None,
+    buf: Any,
+    file: File | PathLike | int,
+    offset: int = 0,
+    *,
+    block_size: int | str | None = None,
+    parallelism: int | None = None,
 ) -> Awaitable[int]:
     """Fill all of buf from file at offset. Awaitable; gives the byte count.
 
@@ -447,13 +475,17 @@ def pread(
         req = r.engine.read(h, buf, offset, *_params(block_size, parallelism))
     finally:
         if temporary:
-            h.close()   # deferred until the request finishes
+            h.close()  # deferred until the request finishes
     return r.submit(req)
 
 
 def pwrite(
-    buf: Any, file: File | PathLike | int, offset: int = 0, *,
-    block_size: int | str | None = None, parallelism: int | None = None,
+    buf: Any,
+    file: File | PathLike | int,
+    offset: int = 0,
+    *,
+    block_size: int | str | None = None,
+    parallelism: int | None = None,
 ) -> Awaitable[int]:
     """Write all of buf to file at offset, creating the file if needed.
 
@@ -471,8 +503,11 @@ def pwrite(
 
 
 def pread_many(
-    items: Iterable[tuple[Any, int]], file: File | PathLike | int, *,
-    block_size: int | str | None = None, parallelism: int | None = None,
+    items: Iterable[tuple[Any, int]],
+    file: File | PathLike | int,
+    *,
+    block_size: int | str | None = None,
+    parallelism: int | None = None,
 ) -> Awaitable[int]:
     """Fill each (buffer, offset) pair from one file; one future for all."""
     r = get_reactor()
@@ -486,8 +521,11 @@ def pread_many(
 
 
 def pwrite_many(
-    items: Iterable[tuple[Any, int]], file: File | PathLike | int, *,
-    block_size: int | str | None = None, parallelism: int | None = None,
+    items: Iterable[tuple[Any, int]],
+    file: File | PathLike | int,
+    *,
+    block_size: int | str | None = None,
+    parallelism: int | None = None,
 ) -> Awaitable[int]:
     """Write each (buffer, offset) pair to one file; one future for all."""
     r = get_reactor()

@@ -56,18 +56,18 @@ def empty(
         if pinned:
             raise ValueError("pinned=True needs like='torch'")
         dt = np.dtype(dtype)
-        return np.frombuffer(AlignedBuffer(count * dt.itemsize), dtype=dt, count=count).reshape(shp)
+        return np.frombuffer(memoryview(AlignedBuffer(count * dt.itemsize)), dtype=dt, count=count).reshape(
+            shp
+        )
     if like == "torch":
         import torch
 
         tdt = _torch_dtype(dtype)
         itemsize = torch.empty(0, dtype=tdt).element_size()
-        raw = np.frombuffer(AlignedBuffer(count * itemsize), dtype=np.uint8)
+        raw = np.frombuffer(memoryview(AlignedBuffer(count * itemsize)), dtype=np.uint8)
         t = torch.from_numpy(raw).view(tdt).reshape(shp)
         if pinned:
-            from . import gpu
-
-            gpu.pin_host_tensor(t)
+            raise NotImplementedError("pinned=True arrives with the GPU support")
         return t
     raise ValueError(f"like must be 'numpy' or 'torch', got {like!r}")
 
