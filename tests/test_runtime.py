@@ -323,3 +323,47 @@ def test_unclosed_file_warns(make_file):
     with pytest.warns(ResourceWarning):
         del f
         gc.collect()
+
+
+async def test_single_submit_mode_issues_one_io_submit_per_chunk(make_file):
+    from aionvme._engine import MODE_SINGLE_SUBMIT
+
+    path, data = make_file(8 << 20)
+    r = reactor()
+    with nvme.open(path) as f:
+        buf = nvme.empty(8 << 20)
+        before = r.engine.stats()["submit_calls"]
+        await r.submit(r.engine.read(f._handle(), buf, 0, 1 << 20, 0, MODE_SINGLE_SUBMIT))
+        assert r.engine.stats()["submit_calls"] - before == 8
+        assert np.array_equal(buf, data)
+        before = r.engine.stats()["submit_calls"]
+        await r.submit(r.engine.read(f._handle(), buf, 0, 1 << 20, 0, 0))
+        assert r.engine.stats()["submit_calls"] - before == 1
+
+
+async def test_no_overlap_mode_waits_for_each_window(make_file):
+    from aionvme._engine import MODE_NO_OVERLAP
+
+    path, data = make_file(8 << 20)
+    r = reactor()
+    with nvme.open(path) as f:
+        buf = nvme.empty(8 << 20)
+        before = r.engine.stats()["submit_calls"]
+        # windows of 2 chunks: 4 submissions, each after the previous window is reaped
+        await r.submit(r.engine.read(f._handle(), buf, 0, 1 << 20, 2, MODE_NO_OVERLAP))
+        assert r.engine.stats()["submit_calls"] - before == 4
+        assert np.array_equal(buf, data)
+
+
+async def test_no_fd_is_left_open(make_file):
+    from aionvme._engine import open_handles
+
+    path, _ = make_file(1 << 20)
+    start = open_handles()
+    await asyncio.gather(*(nvme.pread(nvme.empty(4096), path, i * 4096) for i in range(50)))
+    with pytest.raises(nvme.ShortReadError):
+        await nvme.pread(nvme.empty(4096), path, 1 << 20)
+    f = nvme.open(path)
+    assert open_handles() == start + 1
+    f.close()
+    assert open_handles() == start

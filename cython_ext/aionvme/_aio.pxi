@@ -274,6 +274,9 @@ cdef class Engine:
         cdef int rc
         while r != NULL and self.nfree > 0:
             nxt = r.next
+            if (r.flags & RF_NO_OVERLAP) and r.inflight > 0:
+                r = nxt   # batch-and-wait: its window is still out
+                continue
             while self.nfree > 0 and r.inflight < r.max_inflight:
                 slot = self.free_head
                 ch = &self.chunks[slot]
@@ -319,7 +322,15 @@ cdef class Engine:
         cdef int err
         cdef Chunk *ch
         while i < self.n_iocbs:
-            rc = syscall(SYS_io_submit, self.ctx, <long>(self.n_iocbs - i), &self.iocbs[i])
+            # One call for the whole batch, except for requests that asked for
+            # one io_submit per iocb: they go alone, and a batch stops before them.
+            if (<Chunk *>self.iocbs[i]).req.flags & RF_SINGLE_SUBMIT:
+                k = 1
+            else:
+                k = 1
+                while i + k < self.n_iocbs and not ((<Chunk *>self.iocbs[i + k]).req.flags & RF_SINGLE_SUBMIT):
+                    k += 1
+            rc = syscall(SYS_io_submit, self.ctx, <long>k, &self.iocbs[i])
             self.n_submit_calls += 1
             if rc > 0:
                 i += <int32_t>rc
@@ -450,32 +461,39 @@ cdef class Engine:
     # -- Python API -----------------------------------------------------------
 
     def read(self, FileHandle f, object buf, object offset=0, long long block=1 << 20,
-             int max_inflight=0):
-        """Queue a read of all of buf from offset. Returns the Request."""
-        cdef Request req = _new_request(f, OP_READ, 1, block, max_inflight)
+             int max_inflight=0, int mode=0):
+        """Queue a read of all of buf from offset. Returns the Request.
+
+        block: chunk size; max_inflight: chunks of this request in flight at
+        once (0: no cap beyond queue_depth); mode: MODE_SINGLE_SUBMIT and/or
+        MODE_NO_OVERLAP."""
+        cdef Request req = _new_request(f, OP_READ, 1, block, max_inflight, mode)
         req._add_segment(buf, offset, True)
         self._enqueue(req)
         return req
 
     def write(self, FileHandle f, object buf, object offset=0, long long block=1 << 20,
-              int max_inflight=0):
-        """Queue a write of all of buf at offset. Returns the Request."""
-        cdef Request req = _new_request(f, OP_WRITE, 1, block, max_inflight)
+              int max_inflight=0, int mode=0):
+        """Queue a write of all of buf at offset. Returns the Request (see read)."""
+        cdef Request req = _new_request(f, OP_WRITE, 1, block, max_inflight, mode)
         req._add_segment(buf, offset, False)
         self._enqueue(req)
         return req
 
-    def readv(self, FileHandle f, object items, long long block=1 << 20, int max_inflight=0):
+    def readv(self, FileHandle f, object items, long long block=1 << 20, int max_inflight=0,
+              int mode=0):
         """Queue one request made of (buf, offset) pairs, each filled whole."""
-        return self._vector(f, OP_READ, items, block, max_inflight)
+        return self._vector(f, OP_READ, items, block, max_inflight, mode)
 
-    def writev(self, FileHandle f, object items, long long block=1 << 20, int max_inflight=0):
+    def writev(self, FileHandle f, object items, long long block=1 << 20, int max_inflight=0,
+               int mode=0):
         """Queue one request writing each (buf, offset) pair."""
-        return self._vector(f, OP_WRITE, items, block, max_inflight)
+        return self._vector(f, OP_WRITE, items, block, max_inflight, mode)
 
-    def _vector(self, FileHandle f, int op, object items, long long block, int max_inflight):
+    def _vector(self, FileHandle f, int op, object items, long long block, int max_inflight,
+                int mode):
         cdef list lst = items if type(items) is list else list(items)
-        cdef Request req = _new_request(f, op, len(lst), block, max_inflight)
+        cdef Request req = _new_request(f, op, len(lst), block, max_inflight, mode)
         for item in lst:
             buf, offset = item
             req._add_segment(buf, offset, op == OP_READ)
@@ -486,7 +504,7 @@ cdef class Engine:
 
     def fsync(self, FileHandle f, bint datasync=False):
         """Queue fsync (or fdatasync) of f on a worker."""
-        cdef Request req = _new_request(f, OP_FDATASYNC if datasync else OP_FSYNC, 0, 0, 0)
+        cdef Request req = _new_request(f, OP_FDATASYNC if datasync else OP_FSYNC, 0, 0, 0, 0)
         self._enqueue(req)
         return req
 

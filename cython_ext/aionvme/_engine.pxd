@@ -38,6 +38,8 @@ cdef enum:
     RF_FINISHED = 16
     RF_QUEUED = 32       # on the engine's pending list
     RF_SHORT_WRITE = 64
+    RF_SINGLE_SUBMIT = 128   # each of its iocbs goes in its own io_submit (single_submit)
+    RF_NO_OVERLAP = 256      # batch-and-wait: next window after the last is reaped (overlap_events=False)
 
 
 cdef struct Seg:

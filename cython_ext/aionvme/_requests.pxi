@@ -3,6 +3,15 @@
 # (one awaited call: a list of segments, its buffers pinned until finished).
 
 cdef int64_t _INT64_MAX = 0x7fffffffffffffff
+cdef long long _open_handles = 0   # FileHandles whose fd is still open (leak checks)
+
+MODE_SINGLE_SUBMIT = 1   # Engine.read/write mode bits
+MODE_NO_OVERLAP = 2
+
+
+def open_handles():
+    """How many FileHandles hold an open fd (tests check this returns to its start)."""
+    return _open_handles
 
 
 cdef class Inode:
@@ -44,13 +53,26 @@ cdef class FileHandle:
         self.mem_align = mem_align
         self.inode = inode
         self.owner = owner
+        if fd >= 0:
+            global _open_handles
+            _open_handles += 1
+
+    def __dealloc__(self):
+        # Last resort: a handle nobody closed (its File warned already).
+        if self.fd >= 0 and not self.closed:
+            close(self.fd)
+            self.fd = -1
+            global _open_handles
+            _open_handles -= 1
 
     cdef int _close_fd(self) except -1:
+        global _open_handles
         cdef int fd = self.fd
         self.closed = True
         self.closing = False
         self.fd = -1
         if fd >= 0:
+            _open_handles -= 1
             with nogil:
                 rc = close(fd)
             if rc != 0 and errno != EINTR:
@@ -70,6 +92,9 @@ cdef class FileHandle:
 
     def detach(self):
         """Forget the fd without closing it (a forked child's copy)."""
+        global _open_handles
+        if self.fd >= 0 and not self.closed:
+            _open_handles -= 1
         self.fd = -1
         self.closed = True
 
@@ -169,7 +194,7 @@ cdef class Request:
         return None
 
 
-cdef Request _new_request(FileHandle f, int op, int nsegs, int64_t block, int max_inflight):
+cdef Request _new_request(FileHandle f, int op, int nsegs, int64_t block, int max_inflight, int mode):
     if f.closed or f.closing:
         raise _exc.ClosedFileError(f"I/O on a closed file: {f.path!r}")
     if op == OP_READ and not f.readable:
@@ -192,6 +217,10 @@ cdef Request _new_request(FileHandle f, int op, int nsegs, int64_t block, int ma
     req.c.max_inflight = max_inflight if max_inflight > 0 else 0x7fffffff
     req.c.inode = &f.inode.c if f.inode is not None else NULL
     req.c.short_seg = -1
+    if mode & MODE_SINGLE_SUBMIT:
+        req.c.flags |= RF_SINGLE_SUBMIT
+    if mode & MODE_NO_OVERLAP:
+        req.c.flags |= RF_NO_OVERLAP
     if nsegs <= 1:
         req.c.segs = &req.seg0
         req.views = &req.view0

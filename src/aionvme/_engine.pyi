@@ -7,7 +7,10 @@ from typing_extensions import disjoint_base
 KERNEL_AIO: int
 WORKER_POOL: int
 PAGE_SIZE: int
+MODE_SINGLE_SUBMIT: int
+MODE_NO_OVERLAP: int
 
+def open_handles() -> int: ...
 def fstatx(fd: int) -> dict[str, Any]: ...
 def fs_type(fd: int) -> int: ...
 def aio_probe() -> OSError | None: ...
@@ -108,16 +111,38 @@ class Engine:
         cls, queue_depth: int = ..., threads: int = ..., use_aio: bool = ..., ring_reap: bool = ...
     ) -> Engine: ...
     def read(
-        self, f: FileHandle, buf: object, offset: int = ..., block: int = ..., max_inflight: int = ...
+        self,
+        f: FileHandle,
+        buf: object,
+        offset: int = ...,
+        block: int = ...,
+        max_inflight: int = ...,
+        mode: int = ...,
     ) -> Request: ...
     def write(
-        self, f: FileHandle, buf: object, offset: int = ..., block: int = ..., max_inflight: int = ...
+        self,
+        f: FileHandle,
+        buf: object,
+        offset: int = ...,
+        block: int = ...,
+        max_inflight: int = ...,
+        mode: int = ...,
     ) -> Request: ...
     def readv(
-        self, f: FileHandle, items: Iterable[tuple[Any, int]], block: int = ..., max_inflight: int = ...
+        self,
+        f: FileHandle,
+        items: Iterable[tuple[Any, int]],
+        block: int = ...,
+        max_inflight: int = ...,
+        mode: int = ...,
     ) -> Request: ...
     def writev(
-        self, f: FileHandle, items: Iterable[tuple[Any, int]], block: int = ..., max_inflight: int = ...
+        self,
+        f: FileHandle,
+        items: Iterable[tuple[Any, int]],
+        block: int = ...,
+        max_inflight: int = ...,
+        mode: int = ...,
     ) -> Request: ...
     def fsync(self, f: FileHandle, datasync: bool = ...) -> Request: ...
     def cancel(self, req: Request) -> bool: ...
