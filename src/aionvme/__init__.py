@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from . import defaults
 from ._engine import AlignedBuffer
+from .atomic import atomic_write
 from .exceptions import (
     AionvmeError,
     BufferTypeError,
@@ -50,6 +51,7 @@ __all__ = [
     "UnsupportedOperation",
     "__version__",
     "aclose",
+    "atomic_write",
     "defaults",
     "empty",
     "fsync",

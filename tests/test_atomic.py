@@ -1,0 +1,63 @@
+"""Whole-file atomic writes: old content intact until commit, none of the
+temporary file left behind on failure, permissions kept."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+
+import aionvme as nvme
+
+
+async def test_commit_replaces_the_file(tmp_dir):
+    path = tmp_dir / "ckpt.bin"
+    path.write_bytes(b"old")
+    os.chmod(path, 0o640)
+    data = np.random.default_rng(0).integers(0, 256, 3_000_001, dtype=np.uint8)
+    async with nvme.atomic_write(path) as f:
+        await f.pwrite(data[:1_000_000], 0)
+        await f.pwrite(data[1_000_000:], 1_000_000)
+        assert path.read_bytes() == b"old"  # not visible before the commit
+    assert path.read_bytes() == data.tobytes()
+    assert oct(os.stat(path).st_mode & 0o777) == oct(0o640)
+    assert [p.name for p in tmp_dir.iterdir()] == ["ckpt.bin"]
+
+
+async def test_failure_keeps_the_old_file(tmp_dir):
+    path = tmp_dir / "ckpt.bin"
+    path.write_bytes(b"old content")
+    with pytest.raises(RuntimeError):
+        async with nvme.atomic_write(path) as f:
+            await f.pwrite(b"half of the new", 0)
+            raise RuntimeError("training crashed")
+    assert path.read_bytes() == b"old content"
+    assert [p.name for p in tmp_dir.iterdir()] == ["ckpt.bin"]
+
+
+async def test_cancellation_keeps_the_old_file(tmp_dir):
+    path = tmp_dir / "ckpt.bin"
+    path.write_bytes(b"old")
+    big = nvme.empty(64 << 20)
+
+    async def save():
+        async with nvme.atomic_write(path) as f:
+            await f.pwrite(big, 0)
+            await asyncio.sleep(10)
+
+    t = asyncio.ensure_future(save())
+    await asyncio.sleep(0.05)
+    t.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await t
+    assert path.read_bytes() == b"old"
+    assert [p.name for p in tmp_dir.iterdir()] == ["ckpt.bin"]
+
+
+def test_sync_form(tmp_dir):
+    path = tmp_dir / "new.bin"
+    with nvme.atomic_write(path) as f:
+        f.sync_pwrite(b"hello world", 0)
+    assert path.read_bytes() == b"hello world"
