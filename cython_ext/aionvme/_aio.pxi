@@ -17,6 +17,10 @@ cdef enum:
     GEN_DONE = 1
     GEN_BLOCKED = 2
 
+# Bounce copies up to this size run inline on the loop thread (a few µs);
+# larger ones go to a worker (see PH_*).
+cdef int64_t COPY_INLINE_MAX = 64 * 1024
+
 
 cdef inline void _list_append(ReqC **head, ReqC **tail, ReqC *r) noexcept nogil:
     r.next = NULL
@@ -127,13 +131,9 @@ cdef class Engine:
             else:
                 if ch.user != NULL:
                     # bounce read: hand the caller the part of the block it asked for
-                    got = res - ch.uskip
-                    if got > ch.ulen:
-                        got = ch.ulen
-                    if got > 0:
+                    got = _bounce_got(ch, res)
+                    if got > 0 and ch.phase != PH_DRAINED:
                         memcpy(ch.user, ch.bounce + ch.uskip, got)
-                    else:
-                        got = 0
                 else:
                     got = res
                 if got < ch.ulen:
@@ -171,6 +171,7 @@ cdef class Engine:
         slot = <int32_t>(ch - self.chunks)
         ch.req = NULL
         ch.user = NULL
+        ch.phase = PH_NONE
         ch.next_free = self.free_head
         self.free_head = slot
         self.nfree += 1
@@ -188,6 +189,7 @@ cdef class Engine:
         ch.req = r
         ch.fd = r.fd
         ch.user = NULL
+        ch.phase = PH_NONE
         ch.uskip = 0
         ch.ulen = 0
         ch.seg = 0
@@ -254,7 +256,10 @@ cdef class Engine:
             ch.buf = ch.bounce
             ch.user = s.addr + (p.upos - s.offset)
             if ch.op == CH_WRITE:
-                memcpy(ch.bounce, ch.user, p.ulen)
+                if ch.kind == KIND_THREAD or p.ulen > COPY_INLINE_MAX:
+                    ch.phase = PH_FILL
+                else:
+                    memcpy(ch.bounce, ch.user, p.ulen)
         else:
             ch.buf = s.addr + (p.upos - s.offset)
         r.pos = p.upos + p.ulen
@@ -265,6 +270,29 @@ cdef class Engine:
             else:
                 r.flags |= RF_GEN_DONE
         return GEN_CHUNK
+
+    cdef void _queue_iocb(self, Chunk *ch) noexcept nogil:
+        memset(&ch.cb, 0, sizeof(iocb))
+        ch.cb.aio_data = <uint64_t>(ch - self.chunks)
+        ch.cb.aio_lio_opcode = IOCB_CMD_PREAD if ch.op == CH_READ else IOCB_CMD_PWRITE
+        ch.cb.aio_fildes = ch.fd
+        ch.cb.aio_buf = <uint64_t><uintptr_t>ch.buf
+        ch.cb.aio_nbytes = <uint64_t>ch.len
+        ch.cb.aio_offset = ch.foff
+        ch.cb.aio_flags = IOCB_FLAG_RESFD
+        ch.cb.aio_resfd = self.efd
+        self.iocbs[self.n_iocbs] = &ch.cb
+        self.n_iocbs += 1
+
+    cdef void _reaped_aio(self, Chunk *ch, int64_t res) noexcept nogil:
+        self.n_aio_inflight -= 1
+        ch.res = res
+        if ch.op == CH_READ and ch.user != NULL and ch.ulen > COPY_INLINE_MAX and res > ch.uskip:
+            ch.phase = PH_DRAIN          # a worker copies it out, then it completes
+            self.pushq[self.n_push] = ch
+            self.n_push += 1
+        else:
+            self._complete_chunk(ch)
 
     cdef void _generate(self) noexcept nogil:
         cdef ReqC *r = self.pend_head
@@ -294,18 +322,8 @@ cdef class Engine:
                     ch.uskip = 0
                     self._complete_chunk(ch)
                     break
-                if ch.kind == KIND_AIO:
-                    memset(&ch.cb, 0, sizeof(iocb))
-                    ch.cb.aio_data = <uint64_t>slot
-                    ch.cb.aio_lio_opcode = IOCB_CMD_PREAD if ch.op == CH_READ else IOCB_CMD_PWRITE
-                    ch.cb.aio_fildes = ch.fd
-                    ch.cb.aio_buf = <uint64_t><uintptr_t>ch.buf
-                    ch.cb.aio_nbytes = <uint64_t>ch.len
-                    ch.cb.aio_offset = ch.foff
-                    ch.cb.aio_flags = IOCB_FLAG_RESFD
-                    ch.cb.aio_resfd = self.efd
-                    self.iocbs[self.n_iocbs] = &ch.cb
-                    self.n_iocbs += 1
+                if ch.kind == KIND_AIO and ch.phase != PH_FILL:
+                    self._queue_iocb(ch)
                 else:
                     self.pushq[self.n_push] = ch
                     self.n_push += 1
@@ -402,9 +420,7 @@ cdef class Engine:
                 if n:
                     self.n_ring_reaps += 1
                 for i in range(n):
-                    self.n_aio_inflight -= 1
-                    self.chunks[self.events[i].data].res = self.events[i].res
-                    self._complete_chunk(&self.chunks[self.events[i].data])
+                    self._reaped_aio(&self.chunks[self.events[i].data], self.events[i].res)
             else:
                 zero.tv_sec = 0
                 zero.tv_nsec = 0
@@ -415,14 +431,15 @@ cdef class Engine:
                             continue
                         break
                     for i in range(rc):
-                        self.n_aio_inflight -= 1
-                        self.chunks[self.events[i].data].res = self.events[i].res
-                        self._complete_chunk(&self.chunks[self.events[i].data])
+                        self._reaped_aio(&self.chunks[self.events[i].data], self.events[i].res)
                     if rc < self.queue_depth:
                         break
         n = _pool_take_done(self.pool, self.reapq)
         for i in range(n):
-            self._complete_chunk(self.reapq[i])
+            if self.reapq[i].phase == PH_FILLED and self.reapq[i].kind == KIND_AIO:
+                self._queue_iocb(self.reapq[i])   # bounce filled by a worker: now the write
+            else:
+                self._complete_chunk(self.reapq[i])
 
     cdef list _collect(self):
         cdef ReqC *r = self.done_head
@@ -633,8 +650,7 @@ cdef class Engine:
             self._submit()   # iocbs already generated must go in: their requests wait for them
             while self.nfree < self.queue_depth:
                 self._reap()
-                if self.n_iocbs:
-                    self._submit()
+                self._submit()
                 if self.nfree < self.queue_depth:
                     self._wait_efd(100)
         out = self._collect()

@@ -22,6 +22,14 @@ cdef enum:
     CH_FSYNC = 4
     CH_FDATASYNC = 5
 
+    # Who copies a bounce chunk's bytes. Big copies run on a worker so the
+    # loop thread never spends more than a few microseconds per chunk.
+    PH_NONE = 0        # no copy, or a small one done inline
+    PH_FILL = 1        # a worker copies user -> bounce before the write
+    PH_FILLED = 2      # copied; an AIO write waits to be submitted
+    PH_DRAIN = 3       # a worker copies bounce -> user after the read
+    PH_DRAINED = 4     # copied
+
     # Where a chunk runs.
     KIND_AIO = 0
     KIND_THREAD = 1
@@ -94,6 +102,7 @@ cdef struct Chunk:
     int32_t op
     int32_t kind
     int32_t fd
+    int32_t phase
     int32_t next_free
 
 
@@ -192,6 +201,8 @@ cdef class Engine:
 
     cdef int _enqueue(self, Request req) except -1
     cdef void _finish(self, ReqC *r) noexcept nogil
+    cdef void _queue_iocb(self, Chunk *ch) noexcept nogil
+    cdef void _reaped_aio(self, Chunk *ch, int64_t res) noexcept nogil
     cdef void _stop_generating(self, ReqC *r) noexcept nogil
     cdef void _wait_efd(self, int ms) noexcept nogil
     cdef void _teardown(self) noexcept

@@ -105,9 +105,37 @@ cdef int64_t _job_rmw(Chunk *ch) noexcept nogil:
     return res
 
 
+cdef inline int64_t _bounce_got(Chunk *ch, int64_t res) noexcept nogil:
+    # Of a bounce read that returned res bytes from foff, how many of the
+    # caller's ulen bytes (starting uskip into the block) arrived.
+    cdef int64_t got = res - ch.uskip
+    if got > ch.ulen:
+        got = ch.ulen
+    return got if got > 0 else 0
+
+
+cdef inline void _drain(Chunk *ch, int64_t res) noexcept nogil:
+    cdef int64_t got = _bounce_got(ch, res)
+    if got > 0:
+        memcpy(ch.user, ch.bounce + ch.uskip, got)
+    ch.phase = PH_DRAINED
+
+
 cdef int64_t _run_job(Chunk *ch) noexcept nogil:
+    cdef int64_t r
+    if ch.phase == PH_DRAIN:          # an AIO read landed in the bounce buffer
+        _drain(ch, ch.res)
+        return ch.res
+    if ch.phase == PH_FILL:
+        memcpy(ch.bounce, ch.user, ch.ulen)
+        ch.phase = PH_FILLED
+        if ch.kind == KIND_AIO:
+            return 0                  # back to the engine, which submits the write
     if ch.op == CH_READ:
-        return _full_pread(ch.fd, ch.buf, ch.len, ch.foff)
+        r = _full_pread(ch.fd, ch.buf, ch.len, ch.foff)
+        if ch.user != NULL and r >= 0:
+            _drain(ch, r)
+        return r
     if ch.op == CH_WRITE:
         return _full_pwrite(ch.fd, ch.buf, ch.len, ch.foff)
     if ch.op == CH_RMW:

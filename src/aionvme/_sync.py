@@ -3,9 +3,9 @@ by ``Engine.run``, which waits on the eventfd with the GIL released."""
 
 from __future__ import annotations
 
-import os
 import threading
 
+from . import _reactor
 from ._engine import Engine, Request
 from ._reactor import new_engine
 
@@ -17,8 +17,9 @@ _tls = threading.local()
 def thread_engine() -> Engine:
     """This thread's engine for blocking calls (a fresh one after fork)."""
     pair = getattr(_tls, "pair", None)
-    if pair is None or pair[1] != os.getpid():
-        pair = (new_engine(), os.getpid())
+    pid = _reactor._pid
+    if pair is None or pair[1] != pid:
+        pair = (new_engine(), pid)
         _tls.pair = pair
     eng: Engine = pair[0]
     return eng
