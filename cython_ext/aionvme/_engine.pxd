@@ -103,6 +103,8 @@ cdef struct Chunk:
     int32_t kind
     int32_t fd
     int32_t phase
+    int32_t single         # own io_submit (the request's RF_SINGLE_SUBMIT, copied for the submitter)
+    int64_t acct           # bytes this chunk adds to the engine's inflight_bytes
     int32_t next_free
 
 
@@ -123,6 +125,32 @@ cdef struct Pool:
     Chunk **doneq
     int32_t doneq_head
     int32_t doneq_len
+    int max_threads
+
+
+cdef struct Submitter:
+    # One C thread that calls io_submit for batches that may block (writes,
+    # big transfers), so the event loop never waits in the kernel: io_submit
+    # pins every page first (~40 µs per MiB here), sleeps when the device's
+    # tags run out, and on ext4 waits for inode locks behind unwritten-extent
+    # conversion. Counters shared with the loop thread are atomic.
+    pthread_mutex_t mu
+    pthread_cond_t cv
+    pthread_t thread
+    int started
+    int stopping
+    int busy
+    aio_context_t ctx
+    Pool *pool
+    iocb **q                 # ring of cap entries, guarded by mu
+    iocb **work              # the thread's current batch
+    int32_t head
+    int32_t len
+    int32_t cap
+    int64_t inflight         # iocbs the kernel holds (atomic)
+    int64_t n_calls          # io_submit calls (atomic)
+    int64_t n_submitted
+    int64_t n_eagain
 
 
 cdef class Inode:
@@ -181,7 +209,14 @@ cdef class Engine:
     cdef ReqC *pend_tail
     cdef ReqC *done_head                # finished requests not yet handed to Python
     cdef ReqC *done_tail
-    cdef int32_t n_aio_inflight
+    cdef Submitter *sub
+    cdef int64_t iocb_bytes                 # bytes in self.iocbs
+    cdef bint iocb_writes                   # self.iocbs holds a write
+    cdef readonly long long inline_submit_max
+    cdef readonly long long max_inflight_bytes
+    cdef int64_t inflight_bytes
+    cdef readonly long long submit_budget   # bytes generated per pump at most (0: no cap)
+    cdef readonly bint more                 # the budget stopped generation with work left
     cdef bint ring_reap                 # reap from the mmapped completion ring
     cdef Chunk **pushq                  # worker jobs generated in this pump, handed over at once
     cdef int32_t n_push
@@ -189,14 +224,13 @@ cdef class Engine:
     cdef int nthreads_max
     cdef Chunk **reapq                  # worker completions taken out of the pool in one go
     # counters (cheap; always on so tests can check them in any build)
-    cdef readonly long long n_submit_calls
-    cdef readonly long long n_submitted
+    cdef readonly long long n_inline_submits
+    cdef readonly long long n_thread_submits
     cdef readonly long long n_completed
     cdef readonly long long n_thread_jobs
     cdef readonly long long n_requests
     cdef readonly long long n_live_requests
     cdef readonly long long n_bounce_buffers
-    cdef readonly long long n_eagain
     cdef readonly long long n_ring_reaps
 
     cdef int _enqueue(self, Request req) except -1

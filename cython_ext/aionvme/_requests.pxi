@@ -28,6 +28,14 @@ cdef class Inode:
     def known_size(self):
         return self.c.known_size
 
+    def observe(self, long long size):
+        """The file was just seen at this size: make it the hint. Lowering it
+        is always safe (it only costs a CH_PREP), and it must be lowered when
+        the file shrank or the inode number was reused for a new file."""
+        pthread_mutex_lock(&self.c.lock)
+        self.c.known_size = size
+        pthread_mutex_unlock(&self.c.lock)
+
 
 cdef class FileHandle:
     """An open fd and the way the engine serves it.

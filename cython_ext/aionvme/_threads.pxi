@@ -179,6 +179,7 @@ cdef Pool *_pool_new(int32_t cap, int nthreads_max, int efd) noexcept nogil:
     if p == NULL:
         return NULL
     p.cap = cap
+    p.max_threads = nthreads_max
     p.efd = efd
     p.jobs = <Chunk **>calloc(cap, sizeof(Chunk *))
     p.doneq = <Chunk **>calloc(cap, sizeof(Chunk *))
@@ -194,13 +195,45 @@ cdef Pool *_pool_new(int32_t cap, int nthreads_max, int efd) noexcept nogil:
     return p
 
 
-cdef int _pool_grow(Pool *p, int want) noexcept nogil:
-    """Start workers until `want` run. Returns the number running."""
+cdef int _pool_grow(Pool *p, int more_jobs) noexcept nogil:
+    """Start workers for more_jobs new jobs, up to max_threads. Returns the
+    number running (0: none could be started)."""
+    cdef int want, n
+    pthread_mutex_lock(&p.mu)
+    want = p.nthreads + more_jobs
+    if want > p.max_threads:
+        want = p.max_threads
     while p.nthreads < want:
         if pthread_create(&p.threads[p.nthreads], NULL, _worker_main, <void *>p) != 0:
             break
         p.nthreads += 1
-    return p.nthreads
+    n = p.nthreads
+    pthread_mutex_unlock(&p.mu)
+    return n
+
+
+cdef void _pool_push_done(Pool *p, Chunk *ch) noexcept nogil:
+    # A chunk that ended without running (refused at submission): report it
+    # like a finished job.
+    cdef uint64_t one = 1
+    pthread_mutex_lock(&p.mu)
+    p.doneq[(p.doneq_head + p.doneq_len) % p.cap] = ch
+    p.doneq_len += 1
+    pthread_mutex_unlock(&p.mu)
+    write(p.efd, &one, 8)
+
+
+cdef void _pool_run(Pool *p, Chunk **items, int32_t n) noexcept nogil:
+    """Hand jobs to the workers; if no worker can be started they fail with EAGAIN."""
+    cdef int32_t i
+    if _pool_grow(p, n) == 0:
+        for i in range(n):
+            items[i].res = -EAGAIN
+            items[i].kind = KIND_THREAD
+            items[i].phase = PH_NONE
+            _pool_push_done(p, items[i])
+    else:
+        _pool_push(p, items, n)
 
 
 cdef void _pool_push(Pool *p, Chunk **items, int32_t n) noexcept nogil:
@@ -251,3 +284,147 @@ cdef void _pool_free(Pool *p, bint forked) noexcept nogil:
     free(p.doneq)
     free(p.threads)
     free(p)
+
+
+# -- submission ----------------------------------------------------------------
+
+cdef int32_t _aio_submit(Submitter *s, iocb **cbs, int32_t n, bint wait_for_room) noexcept nogil:
+    """io_submit cbs[0:n], in order. Returns how many were dealt with:
+    submitted, refused (reported as failed chunks) or handed to the workers.
+    Fewer than n only when the context is full and not wait_for_room."""
+    cdef int32_t i = 0, k
+    cdef long rc
+    cdef int err
+    cdef Chunk *ch
+    cdef timespec pause
+    while i < n:
+        # One call for the run up to the next request that asked for one
+        # io_submit per iocb (DeepNVMe's single_submit); those go alone.
+        k = 1
+        if not (<Chunk *>cbs[i]).single:
+            while i + k < n and not (<Chunk *>cbs[i + k]).single:
+                k += 1
+        # Counted as in flight before the call: a completion may be reaped on
+        # the loop thread before io_submit even returns here.
+        aionvme_atomic_add(&s.inflight, k)
+        rc = syscall(SYS_io_submit, s.ctx, <long>k, &cbs[i])
+        aionvme_atomic_add(&s.n_calls, 1)
+        if rc > 0:
+            if rc < k:
+                aionvme_atomic_add(&s.inflight, rc - k)
+            aionvme_atomic_add(&s.n_submitted, rc)
+            i += <int32_t>rc
+            continue
+        err = errno if rc < 0 else EAGAIN
+        aionvme_atomic_add(&s.inflight, -k)
+        if err == EINTR:
+            continue
+        if err == EAGAIN:
+            # The context is full: a prefix was taken, the rest must wait for
+            # completions. Never dropped.
+            aionvme_atomic_add(&s.n_eagain, 1)
+            if aionvme_atomic_load(&s.inflight) > 0:
+                if not wait_for_room:
+                    return i
+                pause.tv_sec = 0
+                pause.tv_nsec = 100000
+                nanosleep(&pause, NULL)
+                continue
+            # Nothing in flight will free room: the workers run the rest.
+            for k in range(i, n):
+                (<Chunk *>cbs[k]).kind = KIND_THREAD
+            _pool_run(s.pool, <Chunk **>&cbs[i], n - i)
+            return n
+        # The first iocb was refused (EBADF, EINVAL, ...): it fails alone.
+        ch = <Chunk *>cbs[i]
+        ch.res = -err
+        ch.kind = KIND_THREAD
+        ch.phase = PH_NONE
+        _pool_push_done(s.pool, ch)
+        i += 1
+    return n
+
+
+cdef void *_submitter_main(void *arg) noexcept nogil:
+    cdef Submitter *s = <Submitter *>arg
+    cdef int32_t n, i
+    while True:
+        pthread_mutex_lock(&s.mu)
+        while s.len == 0 and not s.stopping:
+            pthread_cond_wait(&s.cv, &s.mu)
+        if s.len == 0:
+            pthread_mutex_unlock(&s.mu)
+            return NULL
+        n = s.len
+        for i in range(n):
+            s.work[i] = s.q[(s.head + i) % s.cap]
+        s.head = (s.head + n) % s.cap
+        s.len = 0
+        s.busy = 1
+        pthread_mutex_unlock(&s.mu)
+        _aio_submit(s, s.work, n, True)
+        pthread_mutex_lock(&s.mu)
+        s.busy = 0
+        pthread_mutex_unlock(&s.mu)
+
+
+cdef Submitter *_submitter_new(aio_context_t ctx, Pool *pool, int32_t cap) noexcept nogil:
+    cdef Submitter *s = <Submitter *>calloc(1, sizeof(Submitter))
+    if s == NULL:
+        return NULL
+    s.q = <iocb **>calloc(cap, sizeof(iocb *))
+    s.work = <iocb **>calloc(cap, sizeof(iocb *))
+    if s.q == NULL or s.work == NULL:
+        free(s.q)
+        free(s.work)
+        free(s)
+        return NULL
+    s.ctx = ctx
+    s.pool = pool
+    s.cap = cap
+    pthread_mutex_init(&s.mu, NULL)
+    pthread_cond_init(&s.cv, NULL)
+    return s
+
+
+cdef bint _submitter_take(Submitter *s, iocb **cbs, int32_t n) noexcept nogil:
+    """Queue a batch for the submitter thread (started on first use).
+    False if the thread cannot be started: the caller submits inline."""
+    cdef int32_t i
+    pthread_mutex_lock(&s.mu)
+    if not s.started:
+        if pthread_create(&s.thread, NULL, _submitter_main, <void *>s) != 0:
+            pthread_mutex_unlock(&s.mu)
+            return False
+        s.started = 1
+    for i in range(n):
+        s.q[(s.head + s.len) % s.cap] = cbs[i]
+        s.len += 1
+    pthread_cond_signal(&s.cv)
+    pthread_mutex_unlock(&s.mu)
+    return True
+
+
+cdef bint _submitter_idle(Submitter *s) noexcept nogil:
+    cdef bint idle
+    pthread_mutex_lock(&s.mu)
+    idle = s.len == 0 and not s.busy
+    pthread_mutex_unlock(&s.mu)
+    return idle
+
+
+cdef void _submitter_free(Submitter *s, bint forked) noexcept nogil:
+    if s == NULL:
+        return
+    if not forked:
+        pthread_mutex_lock(&s.mu)
+        s.stopping = 1
+        pthread_cond_signal(&s.cv)
+        pthread_mutex_unlock(&s.mu)
+        if s.started:
+            pthread_join(s.thread, NULL)
+        pthread_mutex_destroy(&s.mu)
+        pthread_cond_destroy(&s.cv)
+    free(s.q)
+    free(s.work)
+    free(s)

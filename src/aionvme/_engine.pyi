@@ -41,6 +41,7 @@ class Inode:
     def __new__(cls, known_size: int = ...) -> Inode: ...
     @property
     def known_size(self) -> int: ...
+    def observe(self, size: int) -> None: ...
 
 @disjoint_base
 class FileHandle:
@@ -98,17 +99,27 @@ class Engine:
     aio_error: OSError | None
     efd: int
     queue_depth: int
-    n_submit_calls: int
-    n_submitted: int
+    n_inline_submits: int
+    n_thread_submits: int
+    inline_submit_max: int
+    max_inflight_bytes: int
     n_completed: int
     n_thread_jobs: int
     n_requests: int
     n_live_requests: int
     n_bounce_buffers: int
-    n_eagain: int
     n_ring_reaps: int
+    submit_budget: int
+    more: bool
     def __new__(
-        cls, queue_depth: int = ..., threads: int = ..., use_aio: bool = ..., ring_reap: bool = ...
+        cls,
+        queue_depth: int = ...,
+        threads: int = ...,
+        use_aio: bool = ...,
+        ring_reap: bool = ...,
+        submit_budget: int = ...,
+        max_inflight_bytes: int = ...,
+        inline_submit_max: int = ...,
     ) -> Engine: ...
     def read(
         self,

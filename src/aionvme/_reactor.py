@@ -40,7 +40,9 @@ _engines: weakref.WeakSet[Engine] = weakref.WeakSet()  # every live engine, for 
 def new_engine(settings: defaults.Settings | None = None) -> Engine:
     """An engine shaped by settings (the current defaults if None)."""
     s = settings or defaults.settings
-    eng = Engine(s.queue_depth, s.threads, s.engine != "thread", s.ring_reap)
+    eng = Engine(
+        s.queue_depth, s.threads, s.engine != "thread", s.ring_reap, s.submit_budget, s.inflight_bytes
+    )
     if s.engine == "aio" and not eng.use_aio:
         err = eng.aio_error or OSError("kernel AIO is unavailable")
         eng.close()
@@ -98,10 +100,18 @@ class Reactor:
 
     def _flush(self) -> None:
         self._scheduled = False
-        self._deliver(self.engine.pump())
+        self._pump()
 
     def _pump(self) -> None:
-        self._deliver(self.engine.pump())
+        eng = self.engine
+        finished = eng.pump()
+        if eng.more and not self._scheduled:
+            # The submit budget stopped this pump: continue next iteration,
+            # after the loop has run what else is ready.
+            self._scheduled = True
+            self.loop.call_soon(self._flush)
+        if finished:
+            self._deliver(finished)
 
     def _cancel(self, req: Request) -> None:
         self.engine.cancel(req)

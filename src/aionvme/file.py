@@ -157,16 +157,25 @@ def open_handle(
         else:
             align = mem_align = 1
             kind = WORKER_POOL
-        key = (st["dev"], st["ino"])
-        inode = _inodes.get(key)
-        if inode is None:
-            inode = Inode(st["size"])
-            _inodes[key] = inode
+        inode = _inode_for(st)
         h = FileHandle(fd, name, kind, is_direct, readable, writable, align, mem_align, inode, owner)
     except BaseException:
         os.close(fd)
         raise
     return h, OpenInfo(is_direct, align, mem_align, fst, reason)
+
+
+def _inode_for(st: dict[str, Any]) -> Inode:
+    """The Inode shared by every open of this file, its size hint refreshed
+    (ext4 reuses inode numbers: a registry entry can outlive its file)."""
+    key = (st["dev"], st["ino"])
+    inode = _inodes.get(key)
+    if inode is None:
+        inode = Inode(st["size"])
+        _inodes[key] = inode
+    else:
+        inode.observe(st["size"])
+    return inode
 
 
 def _block_device_sector(fd: int) -> int:
@@ -212,11 +221,7 @@ def _handle_from_fd(fd: int) -> FileHandle:
             mem_align = mem_align or align
         else:
             align = mem_align = 1
-        key = (st["dev"], st["ino"])
-        inode = _inodes.get(key)
-        if inode is None:
-            inode = Inode(st["size"])
-            _inodes[key] = inode
+        inode = _inode_for(st)
         return FileHandle(
             dup,
             f"<fd {fd}>",

@@ -53,6 +53,8 @@ struct aionvme_aio_ring {
 #define AIONVME_AIO_RING_MAGIC 0xa10a10a1U
 
 #define aionvme_load_acquire(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
+#define aionvme_atomic_load(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
+#define aionvme_atomic_add(p, v) ((void)__atomic_fetch_add((p), (v), __ATOMIC_ACQ_REL))
 #define aionvme_store_release(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
 
 #endif

@@ -95,6 +95,7 @@ cdef extern from "<time.h>" nogil:
     struct timespec:
         long tv_sec
         long tv_nsec
+    int nanosleep(const timespec *req, timespec *rem)
 
 
 cdef extern from "<sys/mman.h>" nogil:
@@ -135,6 +136,8 @@ cdef extern from "compat.h" nogil:
         unsigned header_length
     unsigned AIONVME_AIO_RING_MAGIC
     unsigned aionvme_load_acquire(unsigned *p)
+    int64_t aionvme_atomic_load(int64_t *p)
+    void aionvme_atomic_add(int64_t *p, int64_t v)
     void aionvme_store_release(unsigned *p, unsigned v)
 
 
