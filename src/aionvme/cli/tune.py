@@ -132,9 +132,14 @@ class _Progress:
         self._n = 0
         self._total = 0
         try:
-            from rich.progress import Progress
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-            self._rich = Progress(transient=False)
+            self._rich = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(bar_width=20),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[last]}"),
+            )
         except ImportError:
             try:
                 from tqdm import tqdm
@@ -157,7 +162,7 @@ class _Progress:
     def stage(self, title: str, total: int) -> None:
         self._n, self._total = 0, total
         if self._rich is not None:
-            self._task = self._rich.add_task(title, total=total)
+            self._task = self._rich.add_task(title, total=total, last="")
         elif self._tqdm is not None:
             if self._bar is not None:
                 self._bar.close()
@@ -169,7 +174,7 @@ class _Progress:
         self._n += 1
         msg = f"{r.knobs.label()}: read {r.reads[-1]:.2f} write {r.writes[-1]:.2f} GB/s"
         if self._rich is not None:
-            self._rich.update(self._task, advance=1, description=msg)
+            self._rich.update(self._task, advance=1, last=msg)
         elif self._bar is not None:
             self._bar.set_postfix_str(msg)
             self._bar.update(1)
