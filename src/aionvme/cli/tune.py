@@ -108,7 +108,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="coarse sweep on a 256 MiB file (under a minute)")
     p.add_argument("--size", default=None, help="scratch file size (default 256M with --quick, else 1G)")
     p.add_argument(
-        "--gpu", action="store_true", help="move data to and from CUDA tensors (via pinned host buffers)"
+        "--gpu",
+        action="store_true",
+        help="move data to and from CUDA tensors (via page-aligned host buffers)",
     )
     p.add_argument(
         "--output", default="aionvme-config.json", help="config file to write (default %(default)s)"
@@ -477,7 +479,9 @@ def run(args: argparse.Namespace) -> int:
     if args.gpu:
         gpu, why = _gpu_available()
         if gpu:
-            print(f"--gpu: reading into and writing from CUDA tensors on {why} (through pinned host buffers)")
+            print(
+                f"--gpu: reading into and writing from CUDA tensors on {why} (via page-aligned host buffers)"
+            )
         else:
             print(f"--gpu skipped: {why}. Tuning host-memory transfers.")
     timer = _Timer()
