@@ -72,6 +72,20 @@ class Knobs:
         ev = "overlap" if self.overlap_events else "wait"
         return f"block={_size(self.block_size)} qd={self.queue_depth} ipp={ipp} {sub}/{ev}"
 
+    def handle(self) -> Any:
+        """An aionvme.Handle with these knobs (O_DIRECT, backend auto)."""
+        from aionvme import Handle
+
+        return Handle(
+            block_size=self.block_size,
+            queue_depth=self.queue_depth,
+            intra_op_parallelism=self.intra_op_parallelism,
+            single_submit=self.single_submit,
+            overlap_events=self.overlap_events,
+            direct=True,
+            backend="auto",
+        )
+
     def canonical(self) -> Knobs:
         """Parallelism at or above the queue depth behaves as 'all' (0)."""
         if self.intra_op_parallelism >= self.queue_depth:
@@ -219,17 +233,8 @@ class Bench:
 
     async def measure(self, knobs: Knobs) -> tuple[float, float]:
         """(read GB/s, write GB/s) of the whole file with these knobs."""
-        from aionvme import Handle
-
         offsets = [i * self.each for i in range(REQUESTS)]
-        async with Handle(
-            block_size=knobs.block_size,
-            queue_depth=knobs.queue_depth,
-            intra_op_parallelism=knobs.intra_op_parallelism,
-            single_submit=knobs.single_submit,
-            overlap_events=knobs.overlap_events,
-            direct=True,
-        ) as h:
+        async with knobs.handle() as h:
             t0 = time.perf_counter()
             if self.gpu:
                 await asyncio.gather(*(self._read_to_gpu(h, i, off) for i, off in enumerate(offsets)))
@@ -374,18 +379,8 @@ def print_table(results: list[Result], limit: int = 10) -> None:
 def config_of(best: Result, sweep: Sweep, bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     """The config file: aionvme's knobs, DeepSpeed's "aio" section, and how they were found."""
     import aionvme
-    from aionvme import Handle
 
-    k = best.knobs
-    h = Handle(
-        block_size=k.block_size,
-        queue_depth=k.queue_depth,
-        intra_op_parallelism=k.intra_op_parallelism,
-        single_submit=k.single_submit,
-        overlap_events=k.overlap_events,
-        direct=True,
-        backend="auto",
-    )
+    h = best.knobs.handle()
     measured = [
         {
             **r.knobs.__dict__,

@@ -506,11 +506,9 @@ def aio_read(
     validate: bool,
 ) -> int:
     """DeepNVMe's ``aio_read``: one blocking read of the whole buffer from offset 0; returns 0."""
-    h = aio_handle(block_size, queue_depth, single_submit, overlap_events, 1)
-    try:
-        return h.read(buffer, filename, validate)
-    finally:
-        h.handle.close()
+    return _one_shot(
+        True, buffer, filename, (block_size, queue_depth, single_submit, overlap_events), validate
+    )
 
 
 def aio_write(
@@ -523,9 +521,17 @@ def aio_write(
     validate: bool,
 ) -> int:
     """DeepNVMe's ``aio_write``: one blocking write of the whole buffer at offset 0; returns 0."""
-    h = aio_handle(block_size, queue_depth, single_submit, overlap_events, 1)
+    return _one_shot(
+        False, buffer, filename, (block_size, queue_depth, single_submit, overlap_events), validate
+    )
+
+
+def _one_shot(
+    read: bool, buffer: Any, filename: str, knobs: tuple[int, int, bool, bool], validate: bool
+) -> int:
+    h = aio_handle(*knobs, 1)
     try:
-        return h.write(buffer, filename, validate)
+        return h.read(buffer, filename, validate) if read else h.write(buffer, filename, validate)
     finally:
         h.handle.close()
 
