@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import resource
 import subprocess
 import sys
 import textwrap
@@ -43,9 +44,14 @@ def test_info_json_describes_this_machine(tmp_path):
     st = d["path"]["statx_dioalign"]
     assert st is not None and d["path"]["offset_align"] == st["offset_align"] > 0
     assert d["limits"]["aio_max_nr"] == int(Path("/proc/sys/fs/aio-max-nr").read_text())
+    soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    assert d["limits"]["memlock_soft"] == (None if soft == resource.RLIM_INFINITY else soft)
+    assert isinstance(d["limits"]["cap_ipc_lock"], bool)
     assert d["versions"]["aionvme"] == nvme.__version__
     assert d["io_uring"]["io_uring_disabled"] == int(Path("/proc/sys/kernel/io_uring_disabled").read_text())
-    assert d["io_uring"]["available"] is (d["io_uring"]["io_uring_disabled"] == 0)
+    disabled = d["io_uring"]["io_uring_disabled"]  # 0: allowed, 1: privileged only, 2: off
+    if disabled in (0, 2):
+        assert d["io_uring"]["available"] is (disabled == 0)
     assert set(d["gpu"]) == {"cuda", "devices", "source"}
     assert d["defaults"] == defaults.get()
     assert not list(tmp_path.iterdir())  # the probe file is gone

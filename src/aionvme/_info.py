@@ -158,6 +158,21 @@ def fstatx_path(name: str) -> dict[str, Any]:
         os.close(fd)
 
 
+_CAP_IPC_LOCK = 14  # linux/capability.h
+
+
+def _has_cap_ipc_lock() -> bool | None:
+    """Whether this process may lock memory beyond RLIMIT_MEMLOCK."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> _CAP_IPC_LOCK & 1)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def limits() -> dict[str, Any]:
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     max_nr, nr = _read_int("/proc/sys/fs/aio-max-nr"), _read_int("/proc/sys/fs/aio-nr")
@@ -167,6 +182,7 @@ def limits() -> dict[str, Any]:
         "aio_free": None if max_nr is None or nr is None else max_nr - nr,
         "memlock_soft": None if soft == resource.RLIM_INFINITY else soft,
         "memlock_hard": None if hard == resource.RLIM_INFINITY else hard,
+        "cap_ipc_lock": _has_cap_ipc_lock(),
     }
 
 

@@ -90,7 +90,8 @@ def rows(d: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         (
             "limits",
             "RLIMIT_MEMLOCK",
-            f"{_limit(soft)} (hard {_limit(lim['memlock_hard'])}); page-locked buffers need it",
+            f"{_limit(soft)} (hard {_limit(lim['memlock_hard'])})"
+            + ("; not enforced: CAP_IPC_LOCK" if lim["cap_ipc_lock"] else "; bounds page-locked buffers"),
             NOTE,
         )
     )
