@@ -177,7 +177,10 @@ def test_tune_config_loads_into_handle_defaults_and_deepspeed(tuned):
     # DeepSpeed's section: exactly the keys its runtime reads, real JSON booleans
     assert set(cfg["aio"]) == set(defaults.DEEPSPEED_AIO_DEFAULTS)
     assert isinstance(cfg["aio"]["single_submit"], bool) and isinstance(cfg["aio"]["overlap_events"], bool)
-    assert cfg["aio"] == h.deepspeed_config()
+    # DeepSpeed runs one request at a time: its queue depth is what the device had in flight
+    in_flight = min(best["queue_depth"], 4 * (best["intra_op_parallelism"] or best["queue_depth"]))
+    assert cfg["aio"] == {**h.deepspeed_config(), "queue_depth": in_flight}
+    assert cfg["tune"]["chunks_in_flight"] == in_flight
     assert len(cfg["tune"]["measured"]) >= 5 and cfg["tune"]["filesystem"] == "ext4"
 
 

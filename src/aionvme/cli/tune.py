@@ -380,7 +380,12 @@ def config_of(best: Result, sweep: Sweep, bench: Bench, args: argparse.Namespace
     """The config file: aionvme's knobs, DeepSpeed's "aio" section, and how they were found."""
     import aionvme
 
-    h = best.knobs.handle()
+    k = best.knobs
+    h = k.handle()
+    # DeepSpeed serves a handle's requests one after another: its queue depth is
+    # what the device had in flight here, all requests together.
+    in_flight = min(k.queue_depth, REQUESTS * (k.intra_op_parallelism or k.queue_depth))
+    aio = {**h.deepspeed_config(), "queue_depth": in_flight}
     measured = [
         {
             **r.knobs.__dict__,
@@ -392,7 +397,7 @@ def config_of(best: Result, sweep: Sweep, bench: Bench, args: argparse.Namespace
     ]
     return {
         "aionvme": h.config(),
-        "aio": h.deepspeed_config(),
+        "aio": aio,
         "tune": {
             "aionvme_version": aionvme.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -401,6 +406,7 @@ def config_of(best: Result, sweep: Sweep, bench: Bench, args: argparse.Namespace
             "o_direct": bench.info.direct,
             "file_size": bench.size,
             "requests_in_flight": REQUESTS,
+            "chunks_in_flight": in_flight,
             "gpu": bench.gpu,
             "read_GBps": round(best.read, 3),
             "write_GBps": round(best.write, 3),
