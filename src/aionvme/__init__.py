@@ -13,6 +13,8 @@ io_submit per loop iteration and split into chunks in flight in parallel.
 
 from __future__ import annotations
 
+from typing import Any
+
 from . import defaults
 from ._engine import AlignedBuffer
 from .atomic import atomic_write
@@ -30,8 +32,17 @@ from .exceptions import (
     UnsupportedOperation,
 )
 from .file import File, fsync, open, pread, pread_many, pwrite, pwrite_many
+from .handle import Handle
 from .memory import empty, is_aligned
 from .runtime import aclose, stats
+
+
+def info(path: str | None = None) -> dict[str, Any]:
+    """What this machine offers aionvme (``aionvme info`` as a dict); see :func:`aionvme._info.info`."""
+    from ._info import info as _info
+
+    return _info(path)
+
 
 __version__ = "0.1.0"
 
@@ -43,6 +54,7 @@ __all__ = [
     "DeviceError",
     "EngineClosedError",
     "File",
+    "Handle",
     "InvalidOffsetError",
     "NonContiguousBufferError",
     "ReadOnlyBufferError",
@@ -55,6 +67,7 @@ __all__ = [
     "defaults",
     "empty",
     "fsync",
+    "info",
     "is_aligned",
     "open",
     "pread",

@@ -27,22 +27,30 @@ submit_budget  AIONVME_SUBMIT_BUDGET   bytes submitted per loop iteration at
                                        most (io_submit pins pages: ~40 µs/MiB)
 inflight_bytes AIONVME_INFLIGHT_BYTES  bytes in flight per engine at most
                                        (past the device's tags io_submit waits)
+single_submit  AIONVME_SINGLE_SUBMIT   one io_submit per chunk instead of one
+                                       per batch (used by :class:`Handle`)
+overlap_events AIONVME_OVERLAP_EVENTS  refill the window as chunks complete;
+                                       0 = batch-and-wait (used by Handle)
 ============== ======================= ========================================
 
 Engine-shaping settings (queue_depth, threads, engine, ring_reap) apply to
-engines created afterwards; the others apply to every call.
+engines created afterwards; the others apply to every call. A config file
+written by ``aionvme tune`` (or a DeepSpeed ``"aio"`` section) is applied with
+:func:`load_config`, read without applying with :func:`read_config`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
+import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-__all__ = ["Settings", "get", "parse_size", "set", "settings"]
+__all__ = ["Settings", "get", "load_config", "parse_size", "read_config", "set", "settings"]
 
 _ENGINES = ("auto", "aio", "thread")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -82,6 +90,8 @@ class Settings:
     ring_reap: bool = True
     submit_budget: int = 8 << 20
     inflight_bytes: int = 64 << 20
+    single_submit: bool = False
+    overlap_events: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 4096 or self.block_size % 4096:
@@ -109,7 +119,7 @@ class Settings:
                 v = parse_size(v)
             elif k in ("queue_depth", "threads", "max_inflight"):
                 v = int(v)
-            elif k in ("direct", "ring_reap"):
+            elif k in ("direct", "ring_reap", "single_submit", "overlap_events"):
                 v = _parse_bool(v)
             elif k == "engine":
                 v = str(v).lower()
@@ -159,3 +169,129 @@ def set(**values: Any) -> _Restore:
         previous = settings
         settings = replace(settings, **Settings.coerce(**values))
     return _Restore(previous)
+
+
+# -- config files ----------------------------------------------------------------
+# DeepSpeed's ZeRO "aio" section: the keys its runtime reads and the defaults it
+# uses for absent ones (deepspeed/runtime/swap_tensor/constants.py, aio_config.py).
+DEEPSPEED_AIO_DEFAULTS: dict[str, Any] = {
+    "block_size": 1048576,
+    "queue_depth": 8,
+    "intra_op_parallelism": 1,
+    "single_submit": False,
+    "overlap_events": True,
+    "use_gds": False,
+}
+# DeepSpeed before 0.15 called intra_op_parallelism "thread_count"; ds_nvme_tune
+# prints "num_threads", which DeepSpeed's runtime never reads.
+_DS_TUNER_KEY = "num_threads"
+_DS_ALIASES = {"thread_count": "intra_op_parallelism", _DS_TUNER_KEY: "intra_op_parallelism"}
+_DS_KEYS = frozenset(DEEPSPEED_AIO_DEFAULTS) | frozenset(_DS_ALIASES)  # (set() is ours here)
+# An "aionvme" section may use Handle's names for two settings.
+_HANDLE_NAMES = {"intra_op_parallelism": "max_inflight", "backend": "engine"}
+
+
+def read_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
+    """Settings from a config, validated, without applying them.
+
+    Parameters
+    ----------
+    config : dict, or path of a JSON file
+        One of:
+
+        - what ``aionvme tune`` writes: ``{"aionvme": {...}, "aio": {...}}``;
+          the ``"aionvme"`` section is used;
+        - a DeepSpeed config (a dict with an ``"aio"`` key) or its ``"aio"``
+          section alone, as DeepSpeed reads it: absent keys take DeepSpeed's
+          defaults, ``thread_count`` is accepted for ``intra_op_parallelism``;
+        - a bare dict of aionvme settings (:class:`Settings` names, or
+          :class:`~aionvme.Handle`'s ``intra_op_parallelism`` and ``backend``).
+
+    Returns
+    -------
+    dict
+        :class:`Settings` field names to values.
+
+    Notes
+    -----
+    DeepNVMe splits each request into ``intra_op_parallelism`` parts, each
+    served by its own thread with ``queue_depth`` chunks in flight. The same
+    number of chunks in flight per request, ``queue_depth *
+    intra_op_parallelism``, becomes aionvme's engine queue depth and its
+    per-request cap (``max_inflight``). A bare dict whose keys are all
+    DeepSpeed ``aio`` keys is read as a DeepSpeed section; wrap aionvme's
+    meaning in ``{"aionvme": {...}}``. A DeepSpeed ``block_size`` that is not a
+    multiple of 4096 is rounded up to one (the engine's chunks are whole blocks).
+    """
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        with open(path) as f:
+            try:
+                config = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: not a JSON config: {e}") from None
+    if not isinstance(config, Mapping):
+        raise TypeError(f"a config is a dict or a JSON file path, not {type(config).__name__}")
+    if "aionvme" in config:
+        return _from_aionvme(config["aionvme"])
+    if "aio" in config:
+        return _from_deepspeed(config["aio"] or {})
+    if config and frozenset(config) <= _DS_KEYS:
+        return _from_deepspeed(config)
+    return _from_aionvme(config)
+
+
+def _from_aionvme(section: Any) -> dict[str, Any]:
+    if not isinstance(section, Mapping):
+        raise TypeError(f'the "aionvme" section must be a dict, not {type(section).__name__}')
+    names = {f.name for f in fields(Settings)}
+    values = {_HANDLE_NAMES.get(str(k), str(k)): v for k, v in section.items()}
+    unknown = sorted(frozenset(values) - names)
+    if unknown:
+        raise ValueError(f"unknown aionvme settings {unknown}; known: {sorted([*names, *_HANDLE_NAMES])}")
+    out = Settings.coerce(**values)
+    replace(settings, **out)  # validates ranges
+    return out
+
+
+def _from_deepspeed(section: Any) -> dict[str, Any]:
+    if not isinstance(section, Mapping):
+        raise TypeError(f'a DeepSpeed "aio" section must be a dict, not {type(section).__name__}')
+    unknown = sorted(frozenset(section) - _DS_KEYS)
+    if unknown:
+        known = sorted(DEEPSPEED_AIO_DEFAULTS)
+        raise ValueError(f"unknown keys in the DeepSpeed aio section: {unknown}; DeepSpeed reads {known}")
+    aio = dict(DEEPSPEED_AIO_DEFAULTS)
+    for key, v in section.items():
+        k = str(key)
+        if k == _DS_TUNER_KEY:
+            warnings.warn(
+                f'"{_DS_TUNER_KEY}" (written by ds_nvme_tune) is ignored by DeepSpeed; '
+                'aionvme reads it as "intra_op_parallelism": rename it so DeepSpeed uses it too',
+                UserWarning,
+                stacklevel=3,
+            )
+        aio[_DS_ALIASES.get(k, k)] = v
+    block = parse_size(aio["block_size"])
+    depth = int(aio["queue_depth"]) * max(1, int(aio["intra_op_parallelism"]))
+    if _parse_bool(aio["use_gds"]):
+        warnings.warn(
+            "use_gds: GPUDirect Storage is not used by this aionvme build; the other knobs apply to host I/O",
+            UserWarning,
+            stacklevel=3,
+        )
+    out = Settings.coerce(
+        block_size=-(-block // 4096) * 4096,  # the engine's chunks are whole 4 KiB blocks
+        queue_depth=depth,
+        max_inflight=depth,
+        single_submit=aio["single_submit"],
+        overlap_events=aio["overlap_events"],
+    )
+    replace(settings, **out)
+    return out
+
+
+def load_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> _Restore:
+    """Apply a config (see :func:`read_config`) as the defaults; like :func:`set`,
+    usable as ``with load_config(path):`` to restore the previous ones."""
+    return set(**read_config(config))

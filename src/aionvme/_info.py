@@ -1,0 +1,258 @@
+"""What this machine offers aionvme, as a dict (``aionvme info`` prints it).
+
+Probes are cheap and side-effect free: io_setup/io_destroy of one event,
+io_uring_setup of one entry, a 4 KiB O_DIRECT write and read of a temporary
+file in the given directory (removed after). CUDA is never initialised:
+cuFile is looked for as a file, the GPU through torch if it is already
+importable, else /proc/driver/nvidia.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import resource
+import sys
+import tempfile
+from typing import Any
+
+from . import defaults
+from ._engine import aio_probe, fs_type, fstatx
+from .file import FS_NAMES
+
+__all__ = ["info"]
+
+_IO_URING_SETUP = 425  # the same number on x86_64 and aarch64 (unified syscall table)
+_IO_URING_PARAMS_SIZE = 120  # sizeof(struct io_uring_params)
+
+_AIO_HINTS = {
+    errno.ENOSYS: "the kernel has no AIO (CONFIG_AIO=n) or a seccomp filter/gVisor refuses io_setup",
+    errno.EPERM: "a seccomp filter (container runtime) refuses io_setup",
+    errno.EAGAIN: "fs.aio-max-nr is exhausted: raise it (sysctl fs.aio-max-nr=1048576)",
+    errno.ENOMEM: "the kernel could not allocate an AIO context",
+}
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def kernel_aio() -> dict[str, Any]:
+    """Whether io_setup works here, and if not, the error and what it means."""
+    err = aio_probe()
+    if err is None:
+        return {"available": True, "error": None, "hint": None}
+    return {
+        "available": False,
+        "error": f"{errno.errorcode.get(err.errno or 0, err.errno)}: {err.strerror}",
+        "hint": _AIO_HINTS.get(err.errno or 0),
+    }
+
+
+def engine_choice(aio_available: bool) -> dict[str, str]:
+    """Which engine a new event loop would get under the current defaults."""
+    want = defaults.settings.engine
+    if want == "thread":
+        return {"engine": "thread", "reason": "defaults.engine is 'thread' (AIONVME_ENGINE)"}
+    if aio_available:
+        return {"engine": "aio", "reason": "kernel AIO works (io_setup succeeded)"}
+    if want == "aio":
+        return {
+            "engine": "none",
+            "reason": "defaults.engine is 'aio' but io_setup fails: transfers will raise",
+        }
+    return {"engine": "thread", "reason": "io_setup fails: the C worker-thread pool serves every transfer"}
+
+
+def io_uring() -> dict[str, Any]:
+    """io_uring availability (aionvme does not use it yet; fio and peers may)."""
+    disabled = _read_int("/proc/sys/kernel/io_uring_disabled")
+    out: dict[str, Any] = {"io_uring_disabled": disabled}
+    if platform.machine() not in ("x86_64", "aarch64"):
+        out.update(available=None, error=f"not probed on {platform.machine()}")
+        return out
+    libc = ctypes.CDLL(None, use_errno=True)
+    params = ctypes.create_string_buffer(_IO_URING_PARAMS_SIZE)
+    fd = libc.syscall(ctypes.c_long(_IO_URING_SETUP), ctypes.c_uint(1), params)
+    if fd >= 0:
+        os.close(fd)
+        out.update(available=True, error=None)
+    else:
+        e = ctypes.get_errno()
+        out.update(available=False, error=f"{errno.errorcode.get(e, e)}: {os.strerror(e)}")
+    return out
+
+
+def path_info(path: str) -> dict[str, Any]:
+    """Filesystem, O_DIRECT support and alignment for files created in path."""
+    out: dict[str, Any] = {"path": os.path.abspath(path)}
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        out["error"] = f"{path}: {e.strerror}"
+        return out
+    try:
+        fst = fs_type(fd)
+    finally:
+        os.close(fd)
+    out["filesystem"] = FS_NAMES.get(fst, hex(fst))
+    try:
+        out.update(_probe_direct(path))
+    except OSError as e:
+        out["error"] = f"cannot probe a file in {path}: {e.strerror or e}"
+    return out
+
+
+def _probe_direct(path: str) -> dict[str, Any]:
+    from .file import File
+    from .memory import empty
+
+    fd, name = tempfile.mkstemp(prefix=".aionvme-info-", dir=path)
+    os.close(fd)
+    try:
+        st = fstatx_path(name)
+        with File(name, "r+", direct=True) as f:
+            buf = empty(4096)
+            buf[:] = 0xA5
+            f.sync_pwrite(buf, 0)
+            back = empty(4096)
+            f.sync_pread(back, 0)
+            info = f.info
+        return {
+            "o_direct": info.direct,
+            "how": info.reason,
+            "offset_align": info.align,
+            "mem_align": info.mem_align,
+            "statx_dioalign": (
+                {"offset_align": st["dio_offset_align"], "mem_align": st["dio_mem_align"]}
+                if st["dio_reported"]
+                else None
+            ),
+            "roundtrip_ok": bool((back == buf).all()),
+        }
+    finally:
+        os.unlink(name)
+
+
+def fstatx_path(name: str) -> dict[str, Any]:
+    fd = os.open(name, os.O_RDONLY)
+    try:
+        return fstatx(fd)
+    finally:
+        os.close(fd)
+
+
+_CAP_IPC_LOCK = 14  # linux/capability.h
+
+
+def _has_cap_ipc_lock() -> bool | None:
+    """Whether this process may lock memory beyond RLIMIT_MEMLOCK."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> _CAP_IPC_LOCK & 1)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def limits() -> dict[str, Any]:
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    max_nr, nr = _read_int("/proc/sys/fs/aio-max-nr"), _read_int("/proc/sys/fs/aio-nr")
+    return {
+        "aio_max_nr": max_nr,
+        "aio_nr": nr,
+        "aio_free": None if max_nr is None or nr is None else max_nr - nr,
+        "memlock_soft": None if soft == resource.RLIM_INFINITY else soft,
+        "memlock_hard": None if hard == resource.RLIM_INFINITY else hard,
+        "cap_ipc_lock": _has_cap_ipc_lock(),
+    }
+
+
+def cufile() -> dict[str, Any]:
+    """Where libcufile.so.0 is, if anywhere (not loaded)."""
+    found = ctypes.util.find_library("cufile")
+    if found is None:
+        for pkg in ("nvidia.cufile", "nvidia.cu13", "nvidia.cu12"):
+            try:
+                spec = importlib.util.find_spec(pkg)
+            except (ImportError, ValueError):
+                spec = None
+            for base in (spec.submodule_search_locations or []) if spec else []:
+                lib = os.path.join(base, "lib", "libcufile.so.0")
+                if os.path.exists(lib):
+                    found = lib
+                    break
+            if found:
+                break
+    return {"library": found, "available": found is not None}
+
+
+def gpu() -> dict[str, Any]:
+    """CUDA devices: through torch when it is installed, else the NVIDIA driver's /proc."""
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        if torch.cuda.is_available():
+            names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            return {"cuda": True, "devices": names, "source": "torch.cuda"}
+        return {"cuda": False, "devices": [], "source": f"torch {torch.__version__}: no CUDA device"}
+    gpus = "/proc/driver/nvidia/gpus"
+    devices = sorted(os.listdir(gpus)) if os.path.isdir(gpus) else []
+    return {"cuda": bool(devices), "devices": devices, "source": "/proc/driver/nvidia"}
+
+
+def versions() -> dict[str, str | None]:
+    from . import __version__
+
+    return {
+        "aionvme": __version__,
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "numpy": _version("numpy"),
+        "torch": _version("torch"),
+        "uvloop": _version("uvloop"),
+        "deepspeed": _version("deepspeed"),
+    }
+
+
+def info(path: str | None = None) -> dict[str, Any]:
+    """Everything ``aionvme info`` reports, as plain JSON-able data.
+
+    Parameters
+    ----------
+    path : str, optional
+        Directory whose filesystem, O_DIRECT support and alignment to probe
+        (a 4 KiB temporary file is written and removed). Default: the
+        current directory.
+    """
+    aio = kernel_aio()
+    return {
+        "versions": versions(),
+        "kernel_aio": aio,
+        "engine": engine_choice(aio["available"]),
+        "io_uring": io_uring(),
+        "path": path_info(path or os.getcwd()),
+        "limits": limits(),
+        "cufile": cufile(),
+        "gpu": gpu(),
+        "defaults": defaults.get(),
+        "platform": {"machine": platform.machine(), "executable": sys.executable},
+    }

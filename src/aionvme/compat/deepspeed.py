@@ -1,0 +1,601 @@
+"""DeepNVMe's ``aio_handle`` on aionvme: a drop-in for DeepSpeed's ``async_io`` op.
+
+::
+
+    import aionvme.compat.deepspeed
+    aionvme.compat.deepspeed.install()      # AsyncIOBuilder().load() returns this module
+
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+    h = AsyncIOBuilder().load().aio_handle(block_size=1 << 20, queue_depth=8,
+                                           single_submit=False, overlap_events=True,
+                                           intra_op_parallelism=2)
+    h.async_pwrite(tensor, "/nvme/t.bin")   # returns 0 at once
+    h.wait()                                # 1: the number of operations completed
+
+Nothing is compiled: no libaio-dev, no JIT build. The methods, arguments and
+return values are DeepNVMe's (deepspeed/ops/csrc/aio/py_lib/py_ds_aio.cpp),
+with these differences:
+
+- every completion is checked: a file shorter than the buffer, or an I/O error,
+  raises from :meth:`aio_handle.wait` (or the sync call), typed like the rest
+  of aionvme (``ShortReadError``, ``OSError`` subclasses), after all of the
+  handle's operations have finished; nothing is printed or asserted;
+- any size works: no ``nbytes % intra_op_parallelism == 0`` rule, unaligned
+  sizes, offsets and tails are transferred exactly;
+- ``async_*`` calls return at once and the transfer proceeds in the background
+  (an event loop thread shared by all handles); :meth:`aio_handle.wait`
+  blocks with the GIL released;
+- CUDA and non-contiguous tensors go through a host staging copy, and reads
+  into them are completed by :meth:`aio_handle.wait`;
+- :meth:`aio_handle.free_cpu_locked_tensor` forgets the tensor; its memory
+  is released when the last reference to it goes, never under a live tensor.
+
+DeepNVMe splits each request into ``intra_op_parallelism`` parts, each with
+``queue_depth`` chunks of ``block_size`` in flight; the handle runs each
+request with ``queue_depth * intra_op_parallelism`` chunks in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import os
+import sys
+import threading
+import warnings
+from typing import Any
+
+from .._engine import AlignedBuffer
+from ..exceptions import AionvmeError
+from ..handle import _READ, _WRITE, FileLike, Handle
+
+__all__ = [
+    "ValidationError",
+    "aio_handle",
+    "aio_read",
+    "aio_write",
+    "deepspeed_memcpy",
+    "install",
+    "installed",
+    "uninstall",
+]
+
+_O_DIRECT_ALIGNMENT = 512  # what DeepNVMe's get_alignment() multiplies (deepspeed_py_io_handle.cpp)
+
+
+class ValidationError(AionvmeError, ValueError):
+    """``validate=True``: the file's bytes differ from the buffer's after the transfer."""
+
+
+# -- the background loop every handle's async operations run on ------------------------
+
+
+class _LoopThread:
+    """An asyncio loop in a daemon thread; shared by all handles of a process."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run, name="aionvme-deepspeed", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            self.loop.close()  # drains the loop's aionvme engines
+
+    def stop(self) -> None:
+        """Finish the operations in flight, then stop and close the loop."""
+        if not self.thread.is_alive():
+            return
+
+        async def finish() -> None:
+            me = asyncio.current_task()
+            tasks = [t for t in asyncio.all_tasks() if t is not me]
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(finish(), self.loop).result()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+
+
+_bg: _LoopThread | None = None
+_bg_lock = threading.Lock()
+
+
+def _background() -> _LoopThread:
+    global _bg
+    with _bg_lock:
+        if _bg is None or _bg.pid != os.getpid() or not _bg.thread.is_alive():
+            _bg = _LoopThread()  # first use, or a forked child (threads are not copied)
+        return _bg
+
+
+def _stop_background() -> None:
+    bg = _bg
+    if bg is not None and bg.pid == os.getpid():
+        bg.stop()
+
+
+# Registered after aionvme's runtime: runs first at exit (atexit is LIFO), so the
+# loop thread is done with its engines before they are closed from this thread.
+atexit.register(_stop_background)
+
+
+# -- buffers ---------------------------------------------------------------------------------
+
+
+def _is_tensor(obj: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def _host_bytes(obj: Any) -> memoryview:
+    """The bytes of a host buffer (contiguous tensor, array, bytes-like)."""
+    if _is_tensor(obj):
+        import torch
+
+        flat = obj.reshape(-1)
+        return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    return memoryview(obj).cast("B")
+
+
+class _Op:
+    """One operation of a handle: its future and what wait() does after it."""
+
+    __slots__ = ("buffer", "filename", "future", "offset", "read", "staging", "validate")
+
+    def __init__(
+        self,
+        read: bool,
+        buffer: Any,
+        staging: Any,
+        filename: str,
+        offset: int,
+        validate: bool,
+        future: concurrent.futures.Future[int],
+    ) -> None:
+        self.read = read
+        self.buffer = buffer
+        self.staging = staging
+        self.filename = filename
+        self.offset = offset
+        self.validate = validate
+        self.future = future
+
+    def finish(self) -> None:
+        _complete(self.read, self.buffer, self.staging, self.filename, self.offset, self.validate)
+
+
+def _complete(read: bool, buffer: Any, staging: Any, filename: str, offset: int, validate: bool) -> None:
+    """After a successful transfer: copy a staged read back, validate."""
+    if read and staging is not None:
+        buffer.copy_(staging)
+    if validate:
+        _validate(staging if staging is not None else buffer, filename, offset)
+
+
+def _validate(host: Any, filename: str, offset: int) -> None:
+    """Compare a host buffer with the file's bytes, read through the page cache."""
+    mine = _host_bytes(host)
+    fd = os.open(filename, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        theirs = os.pread(fd, len(mine), offset)
+    finally:
+        os.close(fd)
+    if mine != theirs:
+        first = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+        raise ValidationError(
+            f"{filename}: {len(mine)} bytes at offset {offset} do not match the file "
+            f"(first difference at byte {offset + first}; the file has {len(theirs)} bytes there)"
+        )
+
+
+def _staged(buffer: Any, read: bool) -> Any:
+    """A contiguous host copy for a CUDA or non-contiguous tensor (None if not needed)."""
+    if not _is_tensor(buffer) or (buffer.device.type == "cpu" and buffer.is_contiguous()):
+        return None
+    import torch
+
+    pin = buffer.device.type == "cuda" and torch.cuda.is_available()
+    staging = torch.empty(buffer.shape, dtype=buffer.dtype, device="cpu", pin_memory=pin)
+    if not read:
+        staging.copy_(buffer)
+    return staging
+
+
+# -- the handle ------------------------------------------------------------------------------
+
+
+class aio_handle:  # DeepSpeed's name, lower case
+    """DeepNVMe's ``aio_handle`` (``deepspeed.ops.op_builder.AsyncIOBuilder().load().aio_handle``).
+
+    Parameters
+    ----------
+    block_size : int
+        Bytes per chunk (rounded up to a multiple of 4096 for the engine).
+    queue_depth : int
+        Chunks in flight per part of a request.
+    single_submit : bool
+        One ``io_submit`` per chunk instead of one per batch.
+    overlap_events : bool
+        Sliding window (True) or batch-and-wait (False, DeepNVMe's default).
+    intra_op_parallelism : int
+        Parts each request is split into (DeepNVMe: one thread each).
+    """
+
+    def __init__(
+        self,
+        block_size: int = 1048576,
+        queue_depth: int = 128,
+        single_submit: bool = False,
+        overlap_events: bool = False,
+        intra_op_parallelism: int = 1,
+    ) -> None:
+        for name, v in (("block_size", block_size), ("queue_depth", queue_depth)):
+            if int(v) <= 0:
+                raise ValueError(f"{name} must be positive, got {v}")
+        if int(intra_op_parallelism) <= 0:
+            raise ValueError(f"intra_op_parallelism must be positive, got {intra_op_parallelism}")
+        self._block_size = int(block_size)
+        self._queue_depth = int(queue_depth)
+        self._single_submit = bool(single_submit)
+        self._overlap_events = bool(overlap_events)
+        self._parallelism = int(intra_op_parallelism)
+        depth = self._queue_depth * self._parallelism
+        self._handle = Handle(
+            block_size=-(-self._block_size // 4096) * 4096,
+            queue_depth=depth,
+            single_submit=self._single_submit,
+            overlap_events=self._overlap_events,
+            intra_op_parallelism=depth,
+            direct=True,
+        )
+        self._lock = threading.Lock()
+        self._pending: list[_Op] = []
+        self._locked: dict[int, int] = {}  # data_ptr -> nbytes of tensors from new_cpu_locked_tensor
+
+    # -- knobs ---------------------------------------------------------------------------
+
+    def get_block_size(self) -> int:
+        return self._block_size
+
+    def get_queue_depth(self) -> int:
+        return self._queue_depth
+
+    def get_single_submit(self) -> bool:
+        return self._single_submit
+
+    def get_overlap_events(self) -> bool:
+        return self._overlap_events
+
+    def get_intra_op_parallelism(self) -> int:
+        return self._parallelism
+
+    def get_thread_count(self) -> int:
+        """DeepSpeed < 0.15's name for :meth:`get_intra_op_parallelism`."""
+        return self._parallelism
+
+    def get_alignment(self) -> int:
+        """DeepNVMe's value (``intra_op_parallelism * 512``), which DeepSpeed pads
+        buffers to; aionvme itself needs no alignment."""
+        return self._parallelism * _O_DIRECT_ALIGNMENT
+
+    @property
+    def handle(self) -> Handle:
+        """The aionvme :class:`~aionvme.Handle` doing the work."""
+        return self._handle
+
+    # -- operations ------------------------------------------------------------------------
+
+    def _start(self, read: bool, buffer: Any, file: FileLike, validate: bool, offset: int) -> None:
+        staging = _staged(buffer, read)
+        target = buffer if staging is None else staging
+        fh, temporary = self._handle._open(file, write=not read)  # open errors raise here, now
+        handle = self._handle
+
+        async def run() -> int:
+            r = handle._reactor()
+            try:
+                req = handle._queue(r.engine, _READ if read else _WRITE, fh, target, offset)
+            finally:
+                if temporary:
+                    fh.close()  # deferred until the request has finished
+            n: int = await r.submit(req)
+            return n
+
+        try:
+            future = asyncio.run_coroutine_threadsafe(run(), _background().loop)
+        except BaseException:
+            if temporary:
+                fh.close()
+            raise
+        name = os.fsdecode(file) if isinstance(file, (str, bytes, os.PathLike)) else str(fh.path)
+        with self._lock:
+            self._pending.append(_Op(read, buffer, staging, name, offset, validate, future))
+
+    def wait(self) -> int:
+        """Wait (GIL released) for all of this handle's outstanding operations.
+
+        Returns
+        -------
+        int
+            How many operations completed (0 if none was outstanding).
+
+        Raises
+        ------
+        ShortReadError, OSError, ValidationError
+            The first failure, once every operation has finished; a note says
+            how many others failed.
+        """
+        with self._lock:
+            ops, self._pending = self._pending, []
+        if not ops:
+            return 0
+        try:
+            concurrent.futures.wait([op.future for op in ops])
+        except BaseException:
+            with self._lock:  # interrupted: the operations are still outstanding
+                self._pending[:0] = ops
+            raise
+        errors: list[BaseException] = []
+        for op in ops:
+            exc = op.future.exception()
+            if exc is None:
+                try:
+                    op.finish()
+                except Exception as e:
+                    errors.append(e)
+            else:
+                errors.append(exc)
+        if errors:
+            first = errors[0]
+            if len(errors) > 1 and hasattr(first, "add_note"):
+                first.add_note(f"{len(errors) - 1} more of the {len(ops)} operations failed: {errors[1:]!r}")
+            raise first
+        return len(ops)
+
+    def pread(
+        self,
+        buffer: Any,
+        filename: FileLike,
+        validate: bool = False,
+        async_op: bool = False,
+        file_offset: int = 0,
+        **kwargs: Any,
+    ) -> int:
+        """Read buffer's size from filename at file_offset.
+
+        ``async`` (DeepSpeed's keyword; ``async_op`` here, or pass it
+        positionally): return 0 at once and complete in :meth:`wait`;
+        otherwise wait for all outstanding operations and return their count.
+        """
+        async_op = _async_kw(async_op, kwargs)
+        self._start(True, buffer, filename, bool(validate), int(file_offset))
+        return 0 if async_op else self.wait()
+
+    def pwrite(
+        self,
+        buffer: Any,
+        filename: FileLike,
+        validate: bool = False,
+        async_op: bool = False,
+        file_offset: int = 0,
+        **kwargs: Any,
+    ) -> int:
+        """Write buffer to filename (created if needed, never truncated) at file_offset."""
+        async_op = _async_kw(async_op, kwargs)
+        self._start(False, buffer, filename, bool(validate), int(file_offset))
+        return 0 if async_op else self.wait()
+
+    def sync_pread(self, buffer: Any, filename: FileLike, file_offset: int = 0) -> int:
+        """Read and wait: returns the count of completed operations (1 when
+        nothing else was outstanding)."""
+        return self.pread(buffer, filename, False, False, file_offset)
+
+    def sync_pwrite(self, buffer: Any, filename: FileLike, file_offset: int = 0) -> int:
+        """Write and wait: returns the count of completed operations."""
+        return self.pwrite(buffer, filename, False, False, file_offset)
+
+    def async_pread(self, buffer: Any, filename: FileLike, file_offset: int = 0) -> int:
+        """Start a read; returns 0 at once. :meth:`wait` completes it."""
+        return self.pread(buffer, filename, False, True, file_offset)
+
+    def async_pwrite(self, buffer: Any, filename: FileLike, file_offset: int = 0) -> int:
+        """Start a write (filename may be an open fd, as DeepSpeed's checkpoint
+        writer passes); returns 0 at once."""
+        return self.pwrite(buffer, filename, False, True, file_offset)
+
+    def read(self, buffer: Any, filename: str, validate: bool, file_offset: int = 0) -> int:
+        """Blocking read that leaves outstanding async operations alone; returns 0
+        as DeepNVMe does."""
+        staging = _staged(buffer, True)
+        self._handle.sync_pread(buffer if staging is None else staging, filename, file_offset)
+        _complete(True, buffer, staging, os.fsdecode(filename), file_offset, validate)
+        return 0
+
+    def write(self, buffer: Any, filename: str, validate: bool, file_offset: int = 0) -> int:
+        """Blocking write that leaves outstanding async operations alone; returns 0."""
+        staging = _staged(buffer, False)
+        self._handle.sync_pwrite(buffer if staging is None else staging, filename, file_offset)
+        _complete(False, buffer, staging, os.fsdecode(filename), file_offset, validate)
+        return 0
+
+    # -- page-locked tensors -------------------------------------------------------------------
+
+    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: Any) -> Any:
+        """A 1-D CPU tensor of num_elem elements of example_tensor's dtype, in
+        page-aligned, page-locked (mlock) memory.
+
+        Where ``RLIMIT_MEMLOCK`` forbids locking, the memory is page-aligned
+        but not locked (a ResourceWarning says so): O_DIRECT does not need it.
+        """
+        import numpy as np
+        import torch
+
+        dtype = example_tensor.dtype
+        nbytes = int(num_elem) * torch.empty(0, dtype=dtype).element_size()
+        try:
+            mem = AlignedBuffer(nbytes, lock=True)
+        except OSError as e:
+            warnings.warn(
+                f"cannot page-lock {nbytes} bytes ({e.strerror}; see `ulimit -l`): "
+                "using page-aligned memory that is not locked",
+                ResourceWarning,
+                stacklevel=2,
+            )
+            mem = AlignedBuffer(nbytes)
+        raw = np.frombuffer(memoryview(mem), dtype=np.uint8)  # keeps mem alive
+        tensor = torch.from_numpy(raw).view(dtype)
+        with self._lock:
+            self._locked[tensor.data_ptr()] = nbytes
+        return tensor
+
+    def free_cpu_locked_tensor(self, tensor: Any) -> bool:
+        """Forget a tensor from :meth:`new_cpu_locked_tensor`; True if it was one.
+
+        The memory is unmapped when the last reference to the tensor goes (not
+        at once, as in DeepNVMe, which leaves live tensors dangling)."""
+        with self._lock:
+            return self._locked.pop(tensor.data_ptr(), None) is not None
+
+    def is_pinned(self, buffer: Any) -> bool:
+        """Whether buffer is pinned by torch or inside a tensor from
+        :meth:`new_cpu_locked_tensor` (slices included)."""
+        if _is_tensor(buffer):
+            if buffer.device.type != "cpu":
+                return False
+            if buffer.is_pinned():
+                return True
+            ptr = buffer.data_ptr()
+        else:
+            return False
+        with self._lock:
+            return any(base <= ptr < base + max(n, 1) for base, n in self._locked.items())
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def __del__(self) -> None:
+        h = getattr(self, "_handle", None)
+        if h is not None:
+            h.close()
+
+
+def _async_kw(async_op: bool, kwargs: dict[str, Any]) -> bool:
+    """DeepSpeed's keyword is ``async``, a Python keyword: accept it via **kwargs."""
+    if "async" in kwargs:
+        async_op = kwargs.pop("async")
+    if kwargs:
+        raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}")
+    return bool(async_op)
+
+
+# -- DeepNVMe's module-level functions -------------------------------------------------------
+
+
+def aio_read(
+    buffer: Any,
+    filename: str,
+    block_size: int,
+    queue_depth: int,
+    single_submit: bool,
+    overlap_events: bool,
+    validate: bool,
+) -> int:
+    """DeepNVMe's ``aio_read``: one blocking read of the whole buffer from offset 0; returns 0."""
+    return _one_shot(
+        True, buffer, filename, (block_size, queue_depth, single_submit, overlap_events), validate
+    )
+
+
+def aio_write(
+    buffer: Any,
+    filename: str,
+    block_size: int,
+    queue_depth: int,
+    single_submit: bool,
+    overlap_events: bool,
+    validate: bool,
+) -> int:
+    """DeepNVMe's ``aio_write``: one blocking write of the whole buffer at offset 0; returns 0."""
+    return _one_shot(
+        False, buffer, filename, (block_size, queue_depth, single_submit, overlap_events), validate
+    )
+
+
+def _one_shot(
+    read: bool, buffer: Any, filename: str, knobs: tuple[int, int, bool, bool], validate: bool
+) -> int:
+    h = aio_handle(*knobs, 1)
+    try:
+        return h.read(buffer, filename, validate) if read else h.write(buffer, filename, validate)
+    finally:
+        h.handle.close()
+
+
+def deepspeed_memcpy(dest: Any, src: Any) -> int:
+    """DeepNVMe's ``deepspeed_memcpy``: dest.copy_(src); returns 0."""
+    dest.copy_(src)
+    return 0
+
+
+# -- making DeepSpeed use it -----------------------------------------------------------------
+
+_saved: dict[type, dict[str, Any]] = {}
+_MISSING = object()
+
+
+def _builder_classes() -> list[type]:
+    try:
+        from deepspeed.ops import op_builder
+    except ImportError as e:
+        raise ImportError(f"deepspeed is not importable ({e}); install it to use install()") from e
+    classes = [op_builder.AsyncIOBuilder]  # the accelerator's builder, what DeepSpeed's code uses
+    try:
+        from deepspeed.ops.op_builder.async_io import AsyncIOBuilder as cuda_builder
+    except ImportError:
+        pass
+    else:
+        classes.append(cuda_builder)
+    return list(dict.fromkeys(c for c in classes if isinstance(c, type)))
+
+
+def _load(self: Any, verbose: bool = False) -> Any:
+    return sys.modules[__name__]
+
+
+def _is_compatible(self: Any, verbose: bool = False) -> bool:
+    return True  # kernel AIO where available, else aionvme's worker threads
+
+
+def install() -> None:
+    """Make DeepSpeed's ``AsyncIOBuilder().load()`` return this module (no build,
+    no libaio) and ``is_compatible()`` say True. Undo with :func:`uninstall`.
+
+    Only the ``async_io`` op is replaced; ``use_gds`` configs still load
+    DeepSpeed's ``gds`` op."""
+    for cls in _builder_classes():
+        if cls in _saved:
+            continue
+        _saved[cls] = {name: cls.__dict__.get(name, _MISSING) for name in ("load", "is_compatible")}
+        cls.load = _load  # type: ignore[attr-defined]
+        cls.is_compatible = _is_compatible  # type: ignore[attr-defined]
+
+
+def uninstall() -> None:
+    """Give DeepSpeed its own ``async_io`` op back."""
+    for cls, attrs in list(_saved.items()):
+        for name, value in attrs.items():
+            if value is _MISSING:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, value)
+        del _saved[cls]
+
+
+def installed() -> bool:
+    """Whether :func:`install` is in effect."""
+    return bool(_saved)

@@ -1,0 +1,475 @@
+"""Handles: one set of I/O knobs applied to every transfer made through it,
+from async code (``await h.pread(...)``) and from blocking code
+(``h.sync_pread(...)``, no event loop needed).
+
+The knobs are DeepNVMe's (block size, queue depth, single submit, overlap
+events, intra-op parallelism) plus O_DIRECT and the backend; a DeepSpeed ZeRO
+``"aio"`` section or a config written by ``aionvme tune`` makes a handle
+directly (:meth:`Handle.from_config`).
+
+Engines: the per-request knobs (block size, intra-op parallelism, submit
+modes, O_DIRECT) need no engine of their own. A handle whose queue depth and
+backend match the loop's shared engine uses it, so its transfers are batched
+with everything else on that loop (and with the thread's engine for blocking
+calls). Otherwise the handle owns engines shaped by its knobs: one per event
+loop it is used on and a small pool for blocking calls (one per thread
+calling at the same time), made on first use and closed by :meth:`close`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import threading
+import warnings
+import weakref
+from collections.abc import Awaitable, Iterable, Mapping
+from dataclasses import replace
+from typing import Any
+
+from . import _sync, defaults
+from ._engine import MODE_NO_OVERLAP, MODE_SINGLE_SUBMIT, Engine, FileHandle, Request
+from ._reactor import Reactor, get_reactor, new_engine
+from .exceptions import EngineClosedError, os_error
+from .file import File, PathLike, _handle_for, open_handle
+
+__all__ = ["Handle"]
+
+FileLike = File | PathLike | int
+
+# Request kinds (what _make builds on an engine).
+_READ, _WRITE, _READV, _WRITEV, _FSYNC, _FDATASYNC = range(6)
+_WRITES = (_WRITE, _WRITEV)
+
+
+class Handle:
+    """Transfers with a fixed set of knobs, async or blocking.
+
+    Parameters
+    ----------
+    block_size : int or str, optional
+        Bytes per chunk a transfer is split into (``"1M"``, ``4 << 20``); a
+        multiple of 4096. Default: ``defaults.block_size`` (1 MiB).
+    queue_depth : int, optional
+        Chunks in flight in the engine serving this handle, all requests
+        together. Default: ``defaults.queue_depth`` (128).
+    single_submit : bool, optional
+        Submit each chunk with its own ``io_submit`` call instead of one call
+        per batch (DeepNVMe's ``single_submit``). Default False.
+    overlap_events : bool, optional
+        True: a sliding window, a new chunk is submitted as soon as one
+        completes. False: batch-and-wait, a window of ``intra_op_parallelism``
+        chunks is submitted and all of them are reaped before the next window.
+        Default True.
+    intra_op_parallelism : int, optional
+        Chunks of one request in flight at once; 0 means up to
+        ``queue_depth``. Default: ``defaults.max_inflight`` (0).
+    direct : bool, optional
+        Open paths with O_DIRECT (filesystems that refuse it are served
+        buffered). Default: ``defaults.direct`` (True).
+    backend : {'auto', 'aio', 'thread'}, optional
+        Kernel AIO where available (``auto``), kernel AIO or an error
+        (``aio``), or the worker-thread pool only (``thread``). Default:
+        ``defaults.engine``.
+
+    Notes
+    -----
+    ``file`` arguments are paths (opened for the call with this handle's
+    ``direct`` and closed after it), :class:`~aionvme.File` objects (opened
+    once, as they were opened) or fds (used as they are; the caller keeps
+    ownership). Any buffer size, file offset and buffer address works: see
+    :func:`aionvme.pread` for alignment, errors and cancellation.
+
+    Defaults are read when the handle is made: ``with defaults.set(...)``
+    around the constructor shapes it.
+    """
+
+    def __init__(
+        self,
+        block_size: int | str | None = None,
+        queue_depth: int | None = None,
+        single_submit: bool | None = None,
+        overlap_events: bool | None = None,
+        intra_op_parallelism: int | None = None,
+        direct: bool | None = None,
+        backend: str | None = None,
+    ) -> None:
+        given = {
+            "block_size": block_size,
+            "queue_depth": queue_depth,
+            "single_submit": single_submit,
+            "overlap_events": overlap_events,
+            "max_inflight": intra_op_parallelism,
+            "direct": direct,
+            "engine": backend,
+        }
+        base = defaults.settings
+        self._settings = replace(
+            base, **defaults.Settings.coerce(**{k: v for k, v in given.items() if v is not None})
+        )
+        s = self._settings
+        self._mode = (MODE_SINGLE_SUBMIT if s.single_submit else 0) | (
+            0 if s.overlap_events else MODE_NO_OVERLAP
+        )
+        # The loop's shared engine can serve us only if it has our shape.
+        self._may_share = (s.queue_depth, s.threads, s.engine, s.ring_reap) == (
+            base.queue_depth,
+            base.threads,
+            base.engine,
+            base.ring_reap,
+        )
+        self._lock = threading.Lock()
+        self._closed = False
+        self._pid = os.getpid()
+        self._reactors: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Reactor] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._idle: list[Engine] = []  # private engines for blocking calls, not in use
+        self._engines: list[Engine] = []  # all of them
+
+    # -- construction from configs -------------------------------------------------
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any] | str | os.PathLike[str], **overrides: Any) -> Handle:
+        """A handle from a config dict or JSON file, as :func:`aionvme.defaults.read_config`
+        reads it: the file ``aionvme tune`` writes, a DeepSpeed config or its
+        ``"aio"`` section as-is. Keyword arguments override the config."""
+        values = defaults.read_config(config)
+        kw: dict[str, Any] = {
+            "block_size": values.get("block_size"),
+            "queue_depth": values.get("queue_depth"),
+            "single_submit": values.get("single_submit"),
+            "overlap_events": values.get("overlap_events"),
+            "intra_op_parallelism": values.get("max_inflight"),
+            "direct": values.get("direct"),
+            "backend": values.get("engine"),
+        }
+        if "threads" in values or "ring_reap" in values:
+            extra = {k: values[k] for k in ("threads", "ring_reap") if k in values}
+            with defaults.set(**extra):
+                return cls(**{**kw, **overrides})
+        return cls(**{**kw, **overrides})
+
+    def config(self) -> dict[str, Any]:
+        """This handle's knobs, as a dict that :meth:`from_config` reads back."""
+        s = self._settings
+        return {
+            "block_size": s.block_size,
+            "queue_depth": s.queue_depth,
+            "intra_op_parallelism": s.max_inflight,
+            "single_submit": s.single_submit,
+            "overlap_events": s.overlap_events,
+            "direct": s.direct,
+            "backend": s.engine,
+        }
+
+    def deepspeed_config(self) -> dict[str, Any]:
+        """The DeepSpeed ZeRO ``"aio"`` section with the same chunks in flight per
+        request (DeepSpeed serves one request at a time per handle), with
+        exactly the keys DeepSpeed reads."""
+        s = self._settings
+        per_request = s.queue_depth if s.max_inflight == 0 else min(s.max_inflight, s.queue_depth)
+        return {
+            "block_size": s.block_size,
+            "queue_depth": per_request,
+            "intra_op_parallelism": 1,
+            "single_submit": s.single_submit,
+            "overlap_events": s.overlap_events,
+            "use_gds": False,
+        }
+
+    # -- knobs -------------------------------------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        return self._settings.block_size
+
+    @property
+    def queue_depth(self) -> int:
+        return self._settings.queue_depth
+
+    @property
+    def single_submit(self) -> bool:
+        return self._settings.single_submit
+
+    @property
+    def overlap_events(self) -> bool:
+        return self._settings.overlap_events
+
+    @property
+    def intra_op_parallelism(self) -> int:
+        return self._settings.max_inflight
+
+    @property
+    def direct(self) -> bool:
+        return self._settings.direct
+
+    @property
+    def backend(self) -> str:
+        return self._settings.engine
+
+    @property
+    def mode(self) -> int:
+        """The engine mode bits (MODE_SINGLE_SUBMIT, MODE_NO_OVERLAP) of the knobs."""
+        return self._mode
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __repr__(self) -> str:
+        knobs = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
+        return f"<aionvme.Handle {knobs}{' closed' if self._closed else ''}>"
+
+    # -- engines -----------------------------------------------------------------------
+
+    def _fits(self, eng: Engine) -> bool:
+        """Whether a shared engine has this handle's queue depth and backend."""
+        s = self._settings
+        if not self._may_share or eng.queue_depth != s.queue_depth:
+            return False
+        if s.engine == "thread":
+            return not eng.use_aio
+        if s.engine == "aio":
+            return bool(eng.use_aio)
+        return bool(eng.use_aio) or eng.aio_error is not None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("the aionvme Handle is closed")
+
+    def _reactor(self) -> Reactor:
+        """The reactor serving this handle on the running loop."""
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        if self._may_share:
+            shared = get_reactor(loop)
+            if self._fits(shared.engine):
+                return shared
+        r = self._reactors.get(loop)
+        if r is not None and not r.closed and r.pid == os.getpid():
+            return r
+        with self._lock:
+            self._check_open()
+            for old_loop, old in list(self._reactors.items()):
+                if old_loop.is_closed():  # its loop is gone: nothing can await it any more
+                    old.close()
+                    del self._reactors[old_loop]
+            r = Reactor(loop, self._settings)
+            self._reactors[loop] = r
+        return r
+
+    def _take_sync_engine(self) -> tuple[Engine, bool]:
+        """(engine, pooled) for one blocking call on this thread."""
+        self._check_open()
+        if self._may_share:
+            eng = _sync.thread_engine()
+            if self._fits(eng):
+                return eng, False
+        with self._lock:
+            self._check_open()
+            if self._pid != os.getpid():  # a forked child: the parent's engines were abandoned
+                self._pid = os.getpid()
+                self._idle.clear()
+                self._engines.clear()
+            if self._idle:
+                return self._idle.pop(), True
+            eng = new_engine(self._settings)
+            self._engines.append(eng)
+            return eng, True
+
+    def _give_back(self, eng: Engine) -> None:
+        with self._lock:
+            if not self._closed and eng in self._engines:
+                self._idle.append(eng)
+                return
+        eng.close()  # the handle was closed while this call ran
+
+    # -- building requests --------------------------------------------------------------
+
+    def _open(self, file: FileLike, write: bool) -> tuple[FileHandle, bool]:
+        """(file handle, temporary) for a path, File or fd."""
+        if isinstance(file, (str, bytes, os.PathLike)):
+            flags = os.O_RDWR | os.O_CREAT if write else os.O_RDONLY
+            h, _ = open_handle(file, flags, True, write, self._settings.direct)
+            return h, True
+        return _handle_for(file, write)
+
+    def _make(self, eng: Engine, kind: int, file: FileLike, data: Any = None, offset: int = 0) -> Request:
+        """Queue one request on eng; a path is opened for it and closed after it."""
+        fh, temporary = self._open(file, kind in _WRITES)
+        try:
+            return self._queue(eng, kind, fh, data, offset)
+        finally:
+            if temporary:
+                fh.close()  # deferred until the request has finished
+
+    def _queue(self, eng: Engine, kind: int, fh: FileHandle, data: Any = None, offset: int = 0) -> Request:
+        """Queue one request on an open file handle with this handle's knobs."""
+        s = self._settings
+        if kind == _READ:
+            return eng.read(fh, data, offset, s.block_size, s.max_inflight, self._mode)
+        if kind == _WRITE:
+            return eng.write(fh, data, offset, s.block_size, s.max_inflight, self._mode)
+        if kind == _READV:
+            return eng.readv(fh, data, s.block_size, s.max_inflight, self._mode)
+        if kind == _WRITEV:
+            return eng.writev(fh, data, s.block_size, s.max_inflight, self._mode)
+        return eng.fsync(fh, kind == _FDATASYNC)
+
+    def _submit(self, kind: int, file: FileLike, data: Any = None, offset: int = 0) -> Awaitable[int]:
+        r = self._reactor()
+        return r.submit(self._make(r.engine, kind, file, data, offset))
+
+    def _run(self, kind: int, file: FileLike, data: Any = None, offset: int = 0) -> int:
+        eng, pooled = self._take_sync_engine()
+        try:
+            req = self._make(eng, kind, file, data, offset)
+            eng.run(req)
+        finally:
+            if pooled:
+                self._give_back(eng)
+        if req.ok:
+            n: int = req.nbytes
+            return n
+        exc = req.exception()
+        raise exc if exc is not None else os_error(errno.EIO, req.file.path, op=req.op)
+
+    # -- async I/O ---------------------------------------------------------------------
+
+    def pread(self, buf: Any, file: FileLike, offset: int = 0) -> Awaitable[int]:
+        """Fill all of buf from file at offset; the awaitable gives the byte count.
+
+        Raises ShortReadError if the file ends first, OSError subclasses for I/O
+        errors. Cancelling waits for the chunks in flight (see :func:`aionvme.pread`).
+        """
+        return self._submit(_READ, file, buf, offset)
+
+    def pwrite(self, buf: Any, file: FileLike, offset: int = 0) -> Awaitable[int]:
+        """Write all of buf to file at offset (a path is created if needed; never truncated)."""
+        return self._submit(_WRITE, file, buf, offset)
+
+    def pread_many(self, items: Iterable[tuple[Any, int]], file: FileLike) -> Awaitable[int]:
+        """Fill each (buffer, offset) pair from file; one awaitable for the batch."""
+        return self._submit(_READV, file, items)
+
+    def pwrite_many(self, items: Iterable[tuple[Any, int]], file: FileLike) -> Awaitable[int]:
+        """Write each (buffer, offset) pair to file; one awaitable for the batch."""
+        return self._submit(_WRITEV, file, items)
+
+    def fsync(self, file: FileLike, *, datasync: bool = False) -> Awaitable[int]:
+        """fsync (or fdatasync) file on a worker thread."""
+        return self._submit(_FDATASYNC if datasync else _FSYNC, file)
+
+    # -- blocking I/O (no event loop needed; waits with the GIL released) --------------
+
+    def sync_pread(self, buf: Any, file: FileLike, offset: int = 0) -> int:
+        """Blocking :meth:`pread`: returns the byte count or raises. Usable from any
+        thread, with or without an event loop running elsewhere."""
+        return self._run(_READ, file, buf, offset)
+
+    def sync_pwrite(self, buf: Any, file: FileLike, offset: int = 0) -> int:
+        """Blocking :meth:`pwrite`."""
+        return self._run(_WRITE, file, buf, offset)
+
+    def sync_pread_many(self, items: Iterable[tuple[Any, int]], file: FileLike) -> int:
+        """Blocking :meth:`pread_many`."""
+        return self._run(_READV, file, items)
+
+    def sync_pwrite_many(self, items: Iterable[tuple[Any, int]], file: FileLike) -> int:
+        """Blocking :meth:`pwrite_many`."""
+        return self._run(_WRITEV, file, items)
+
+    def sync_fsync(self, file: FileLike, *, datasync: bool = False) -> None:
+        """Blocking :meth:`fsync`."""
+        self._run(_FDATASYNC if datasync else _FSYNC, file)
+
+    def open(self, path: PathLike, mode: str = "r") -> File:
+        """:func:`aionvme.open` with this handle's ``direct``, block size and
+        intra-op parallelism (pass the File to this handle's calls for its
+        submit modes too)."""
+        s = self._settings
+        return File(path, mode, direct=s.direct, block_size=s.block_size, parallelism=s.max_inflight)
+
+    # -- inspection --------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of the engine serving this handle here: the running loop's,
+        or, outside a loop, the engines of blocking calls added up. Includes
+        ``queue_depth`` and ``use_aio`` (False: the worker-thread pool serves)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            engines = [] if self._closed else self._sync_engines()
+        else:
+            engines = [self._reactor().engine]
+        out: dict[str, Any] = {"engines": len(engines), "queue_depth": self._settings.queue_depth}
+        for i, eng in enumerate(engines):
+            for k, v in eng.stats().items():
+                if isinstance(v, bool):
+                    out[k] = v if i == 0 else out[k] and v
+                elif isinstance(v, int):
+                    out[k] = out.get(k, 0) + v
+        return out
+
+    def _sync_engines(self) -> list[Engine]:
+        if self._may_share:
+            eng = _sync.thread_engine()
+            if self._fits(eng):
+                return [eng]
+        with self._lock:
+            if not self._engines:
+                self._engines.append(new_engine(self._settings))
+                self._idle.append(self._engines[-1])
+            return list(self._engines)
+
+    # -- closing -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the engines this handle owns (shared ones stay): transfers in
+        flight are waited for, queued ones fail with EngineClosedError. A loop
+        running in another thread closes its engine on its own thread."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            reactors = list(self._reactors.values())
+            self._reactors.clear()
+            idle, self._idle = self._idle, []
+            self._engines.clear()
+        try:
+            current: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            current = None
+        for r in reactors:
+            if r.loop is current or r.loop.is_closed() or not r.loop.is_running():
+                r.close()
+            else:
+                r.loop.call_soon_threadsafe(r.close)
+        for eng in idle:
+            eng.close()
+
+    async def aclose(self) -> None:
+        """Close (see :meth:`close`) from async code."""
+        self.close()
+        await asyncio.sleep(0)
+
+    def __enter__(self) -> Handle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Handle:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True) or os.getpid() != self._pid:
+            return
+        if self._engines or len(self._reactors):
+            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=2, source=self)
+            self.close()
