@@ -134,7 +134,11 @@ async def test_one_large_tensor_both_directions(tmp_dir):
     await nvme.save_safetensors({"small": small, "big": big}, ours)
     back = st.load_file(ours)
     assert same(back["big"], big) and same(back["small"], small)
-    assert os.path.getsize(ours) == os.path.getsize(ref)
+    # a big file's data region starts on a 4096-byte boundary (spaces pad the header), big
+    # tensors first: O_DIRECT writes need no read-modify-write of partial blocks
+    header = await nvme.formats.read_header(ours)
+    assert header.data_start % 4096 == 0 and header.tensors["big"].begin == 0
+    assert os.path.getsize(ours) == header.data_start + big.nbytes + small.nbytes
 
 
 async def test_loaded_tensors_are_views_of_one_aligned_allocation(tmp_dir):
@@ -201,6 +205,27 @@ async def test_header_is_padded_like_the_reference(tmp_dir):
     assert hdr["y"]["data_offsets"] == [0, 32] and hdr["x"]["data_offsets"] == [32, 38]
     assert list(hdr) == ["__metadata__", "x", "y"]
     assert list(await nvme.load_safetensors(path)) == ["x", "y"]
+
+
+async def test_layout_keeps_blocks_and_items_aligned(tmp_dir):
+    tensors = {
+        "odd_u8": random_tensor((4097,), torch.uint8, 1),
+        "w": random_tensor((512, 1024), torch.bfloat16, 2),  # 1 MiB: a whole number of blocks
+        "odd_f16": random_tensor((3, 5), torch.float16, 3),
+        "odd_f64": random_tensor((7,), torch.float64, 4),
+        "v": random_tensor((1024,), torch.float32, 5),  # 4096 bytes
+        "odd_f32": random_tensor((9,), torch.float32, 6),
+    }
+    path = tmp_dir / "mixed.safetensors"
+    await nvme.save_safetensors(tensors, path)
+    header = await nvme.formats.read_header(path)
+    assert header.data_start % 4096 == 0
+    infos = header.tensors
+    assert [infos["w"].begin, infos["v"].begin] == [0, 1 << 20]  # whole blocks first, in order
+    assert all(t.begin % t.dtype.itemsize == 0 for t in infos.values())
+    assert list(infos) == list(tensors)  # the JSON keeps the caller's order
+    back = st.load_file(path)
+    assert all(same(back[k], v) for k, v in tensors.items())
 
 
 async def test_numpy_values_and_big_endian(tmp_dir):

@@ -57,6 +57,8 @@ _MERGE_GAP = 256 * 1024
 # are written from their own memory. At most two waves of _WAVE bytes are in
 # flight, which bounds the staging memory.
 _SMALL = 256 * 1024
+_DATA_ALIGN = 4096  # the largest O_DIRECT alignment in common use (4Kn drives)
+_PAD_DATA_FROM = 1 << 20
 _STAGE = 4 * 1024 * 1024
 _WAVE = 64 * 1024 * 1024
 
@@ -335,10 +337,21 @@ def plan(
 ) -> tuple[bytes, list[tuple[Source, int]]]:
     """Header bytes and (source, file offset) of every tensor.
 
-    Data layout: sorted by item size, largest first (stable), like the
-    reference writer, so every tensor's offset is a multiple of its item size
-    and loads as a view. The JSON header keeps the caller's order, which is
-    the order :func:`load_safetensors` returns.
+    Layout, chosen so the data lands on O_DIRECT block boundaries (a write
+    whose file offset is not block-aligned costs a read-modify-write of its
+    first and last block: 0.62 s instead of 0.43 s for 544 MiB measured here):
+
+    - the header is padded with spaces so the data region starts on a
+      _DATA_ALIGN boundary, when the data is at least _PAD_DATA_FROM bytes
+      (smaller files keep the reference writer's 8-byte padding);
+    - tensors whose size is a multiple of _DATA_ALIGN come first, in the
+      caller's order: all of them start aligned (typical weight matrices);
+    - the rest follow sorted by item size, largest first, like the reference
+      writer, so every tensor's offset is a multiple of its item size and
+      loads as a view.
+
+    The JSON header keeps the caller's order, which is the order
+    :func:`load_safetensors` returns.
     """
     if metadata is not None and not (
         isinstance(metadata, Mapping)
@@ -351,12 +364,15 @@ def plan(
     for s in sources:
         if s.name == METADATA_KEY:
             raise SafetensorsError(f"{METADATA_KEY!r} is reserved for metadata", tensor=s.name)
+    whole = [s for s in sources if s.nbytes % _DATA_ALIGN == 0]
+    rest = sorted((s for s in sources if s.nbytes % _DATA_ALIGN), key=lambda s: -s.dtype.itemsize)
     offsets: dict[str, tuple[int, int]] = {}
     pos = 0
-    for s in sorted(sources, key=lambda s: -s.dtype.itemsize):
+    for s in whole + rest:
         offsets[s.name] = (pos, pos + s.nbytes)
         pos += s.nbytes
-    header = build_header(((s.name, s.code, s.shape, *offsets[s.name]) for s in sources), metadata, pad_to=8)
+    pad = _DATA_ALIGN if pos >= _PAD_DATA_FROM else 8
+    header = build_header(((s.name, s.code, s.shape, *offsets[s.name]) for s in sources), metadata, pad)
     placed = sorted(((s, len(header) + offsets[s.name][0]) for s in sources), key=lambda p: p[1])
     return header, placed
 

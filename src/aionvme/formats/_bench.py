@@ -1,0 +1,279 @@
+"""Format workloads for ``aionvme bench --workload`` and bench/bench_formats.py.
+
+Each workload builds a state dict of realistic transformer shapes, runs our
+save/load and the formats' own (safetensors.torch.save_file / load_file,
+torch.save / torch.load) on the same data, verifies what was read, and
+returns figures: seconds, GB/s, ratios. One call measures each operation once;
+callers repeat and take medians (this VM is noisy).
+
+Fairness:
+- Loads are cold: the page cache is dropped before each one (root only;
+  ``cold_cache`` says whether it was). ``safetensors.torch.load_file`` maps
+  the file lazily, so every page of every tensor is touched after it returns;
+  ours and torch.load are touched the same way.
+- Saves include durability for everyone: the baselines' files are fsynced and
+  their directory too, as our atomic save does.
+- The cost of fresh memory is measured separately after the loads
+  (``fresh_memory_s``: allocate and fault in as many bytes as the data), and so
+  is the device alone (``device_read_s``: an O_DIRECT read of the file into
+  memory already faulted in). Any loader that returns new tensors pays the
+  first; on this VM it is large and erratic (see bench/README.md).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+__all__ = ["WORKLOADS", "transformer_state_dict"]
+
+Workload = Callable[..., Awaitable[dict[str, float]]]
+
+
+def transformer_state_dict(total_bytes: int, seed: int = 0) -> dict[str, Any]:
+    """bf16 weights of a Llama-like decoder of about ``total_bytes``: embedding
+    and output head (vocab 32000), per layer q/k/v/o (H x H), gate/up (I x H),
+    down (H x I) and two norms (H). H grows with the size."""
+    import torch
+
+    hidden = 1024 if total_bytes < 256 << 20 else 2048 if total_bytes < 4 << 30 else 4096
+    inter = (hidden * 11 // 4 + 255) // 256 * 256
+    vocab = 32000
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, hidden))]
+    per_layer = [
+        ("self_attn.q_proj.weight", (hidden, hidden)),
+        ("self_attn.k_proj.weight", (hidden, hidden)),
+        ("self_attn.v_proj.weight", (hidden, hidden)),
+        ("self_attn.o_proj.weight", (hidden, hidden)),
+        ("mlp.gate_proj.weight", (inter, hidden)),
+        ("mlp.up_proj.weight", (inter, hidden)),
+        ("mlp.down_proj.weight", (hidden, inter)),
+        ("input_layernorm.weight", (hidden,)),
+        ("post_attention_layernorm.weight", (hidden,)),
+    ]
+    layer_bytes = 2 * sum(int(np.prod(s)) for _, s in per_layer)
+    fixed = 2 * (2 * vocab * hidden + hidden)
+    layers = max(1, round((total_bytes - fixed) / layer_bytes))
+    for i in range(layers):
+        shapes += [(f"model.layers.{i}.{n}", s) for n, s in per_layer]
+    shapes += [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=g, dtype=torch.float32).to(torch.bfloat16) for n, s in shapes}
+
+
+def _touch(tensors: Any) -> int:
+    """Read one byte per page of every tensor (defeats lazy mmap loading)."""
+    import torch
+
+    total = 0
+    for t in tensors.values():
+        if t.numel():
+            total += int(t.reshape(-1).view(torch.uint8)[::4096].sum())
+    return total
+
+
+def _drop_caches() -> bool:
+    from ..cli._common import drop_caches
+
+    return drop_caches() is None
+
+
+def _fsync_path(path: str) -> None:
+    for p, flags in ((path, os.O_RDONLY), (os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)):
+        fd = os.open(p, flags)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _verify(expected: dict[str, Any], got: dict[str, Any], what: str) -> None:
+    import torch
+
+    if set(expected) != set(got):
+        raise RuntimeError(f"{what}: tensor names differ")
+    for k, v in expected.items():
+        if not torch.equal(v, got[k]):
+            raise RuntimeError(f"{what}: tensor {k!r} differs")
+
+
+def _unlink(*paths: str) -> None:
+    for p in paths:
+        if os.path.exists(p):
+            os.unlink(p)
+
+
+async def _timed(fn: Callable[[], Awaitable[Any]]) -> tuple[float, Any]:
+    gc.collect()
+    t0 = time.perf_counter()
+    out = await fn()
+    return time.perf_counter() - t0, out
+
+
+async def _device_and_memory(path: str, nbytes: int) -> dict[str, float]:
+    """The device alone (cold O_DIRECT read into pre-faulted memory) and the
+    cost of faulting in ``nbytes`` of fresh memory."""
+    from ..file import pread
+    from ..memory import empty
+
+    size = os.path.getsize(path)
+    buf = empty(size)
+    buf[::4096] = 1
+    _drop_caches()
+    t0 = time.perf_counter()
+    await pread(buf, path)
+    device = time.perf_counter() - t0
+    del buf
+    gc.collect()
+    t0 = time.perf_counter()
+    fresh = empty(nbytes)
+    fresh[::4096] = 1
+    fault = time.perf_counter() - t0
+    return {"device_read_s": device, "fresh_memory_s": fault}
+
+
+async def bench_safetensors(directory: str, total_bytes: int, *, verify: bool = True) -> dict[str, float]:
+    """load_safetensors vs safetensors.torch.load_file (cold, every page
+    touched) and save_safetensors vs safetensors.torch.save_file (+ fsync)."""
+    import safetensors.torch as st
+
+    from ._safetensors import load_safetensors, save_safetensors
+
+    sd = transformer_state_dict(total_bytes)
+    nbytes = sum(t.nbytes for t in sd.values())
+    ours, ref = os.path.join(directory, "ours.safetensors"), os.path.join(directory, "ref.safetensors")
+    _unlink(ours, ref)
+
+    async def save_ref() -> None:
+        st.save_file(sd, ref)
+        _fsync_path(ref)
+
+    t_save_ref, _ = await _timed(save_ref)
+    t_save_ours, _ = await _timed(lambda: save_safetensors(sd, ours))
+
+    cold = _drop_caches()
+
+    async def load_ours() -> Any:
+        got = await load_safetensors(ref)
+        _touch(got)
+        return got
+
+    t_load_ours, got = await _timed(load_ours)
+    if verify:
+        _verify(sd, got, "load_safetensors")
+    del got
+    _drop_caches()
+
+    async def load_ref() -> Any:
+        got = st.load_file(ref)
+        _touch(got)
+        return got
+
+    t_load_ref, got = await _timed(load_ref)
+    if verify:
+        _verify(sd, got, "safetensors.torch.load_file")
+        _verify(sd, st.load_file(ours), "safetensors.torch.load_file of our file")
+    del got
+    extra = await _device_and_memory(ref, nbytes)
+    _unlink(ours, ref)
+    gb = nbytes / 1e9
+    return {
+        "bytes": float(nbytes),
+        "tensors": float(len(sd)),
+        "cold_cache": float(cold),
+        "load_s": t_load_ours,
+        "load_safetensors_s": t_load_ref,
+        "load_GBps": gb / t_load_ours,
+        "load_safetensors_GBps": gb / t_load_ref,
+        "load_ratio": t_load_ref / t_load_ours,
+        "save_s": t_save_ours,
+        "save_safetensors_s": t_save_ref,
+        "save_GBps": gb / t_save_ours,
+        "save_safetensors_GBps": gb / t_save_ref,
+        "save_ratio": t_save_ref / t_save_ours,
+        **extra,
+    }
+
+
+async def bench_checkpoint(directory: str, total_bytes: int, *, verify: bool = True) -> dict[str, float]:
+    """nvme.save / nvme.load / save_in_background vs torch.save (+ fsync) and
+    torch.load (cold) on a checkpoint: weights plus step, config and RNG state."""
+    import torch
+
+    from ._checkpoint import load, save, save_in_background
+
+    sd = transformer_state_dict(total_bytes)
+    nbytes = sum(t.nbytes for t in sd.values())
+    ckpt = {"model": sd, "step": 1000, "config": {"lr": 3e-4, "betas": (0.9, 0.95)}}
+    ours, ref = os.path.join(directory, "ours.ckpt"), os.path.join(directory, "ref.pt")
+    _unlink(ours, ref)
+
+    async def save_ref() -> None:
+        torch.save(ckpt, ref)
+        _fsync_path(ref)
+
+    t_save_ref, _ = await _timed(save_ref)
+    t_save_ours, _ = await _timed(lambda: save(ckpt, ours))
+
+    # Background: how long training is blocked (the snapshot) and until durable.
+    _unlink(ours)
+    gc.collect()
+    t0 = time.perf_counter()
+    task = save_in_background(ckpt, ours)
+    t_bg_return = time.perf_counter() - t0
+    await task
+    t_bg_total = time.perf_counter() - t0
+
+    cold = _drop_caches()
+
+    async def load_ours() -> Any:
+        got = await load(ours)
+        _touch(got["model"])
+        return got
+
+    t_load_ours, got = await _timed(load_ours)
+    if verify:
+        _verify(sd, got["model"], "nvme.load")
+        if got["step"] != 1000 or got["config"]["betas"] != (0.9, 0.95):
+            raise RuntimeError("nvme.load: non-tensor values differ")
+    del got
+    _drop_caches()
+
+    async def load_ref() -> Any:
+        got = torch.load(ref)
+        _touch(got["model"])
+        return got
+
+    t_load_ref, got = await _timed(load_ref)
+    if verify:
+        _verify(sd, got["model"], "torch.load")
+    del got
+    extra = await _device_and_memory(ours, nbytes)
+    _unlink(ours, ref)
+    gb = nbytes / 1e9
+    return {
+        "bytes": float(nbytes),
+        "tensors": float(len(sd)),
+        "cold_cache": float(cold),
+        "save_s": t_save_ours,
+        "save_torch_s": t_save_ref,
+        "save_GBps": gb / t_save_ours,
+        "save_torch_GBps": gb / t_save_ref,
+        "save_ratio": t_save_ref / t_save_ours,
+        "background_return_s": t_bg_return,
+        "background_total_s": t_bg_total,
+        "load_s": t_load_ours,
+        "load_torch_s": t_load_ref,
+        "load_GBps": gb / t_load_ours,
+        "load_torch_GBps": gb / t_load_ref,
+        "load_ratio": t_load_ref / t_load_ours,
+        **extra,
+    }
+
+
+WORKLOADS: dict[str, Workload] = {"safetensors": bench_safetensors, "checkpoint": bench_checkpoint}
