@@ -65,12 +65,13 @@ def report(name: str, runs: list[dict[str, float]]) -> str:
             f"| **{r:.2f}x** ({rmin:.2f}-{rmax:.2f}) |"
         )
     if name == "checkpoint":
-        ret, rmin, rmax = _med(runs, "background_return_s")
-        tot, tmin, tmax = _med(runs, "background_total_s")
-        lines.append(
-            f"| save_in_background | returns in {ret:.3f} s ({rmin:.2f}-{rmax:.2f}); "
-            f"durable after {tot:.3f} s ({tmin:.2f}-{tmax:.2f}) | | |"
-        )
+        for kind in ("fresh", "reused"):
+            ret, rmin, rmax = _med(runs, f"background_{kind}_return_s")
+            tot, tmin, tmax = _med(runs, f"background_{kind}_total_s")
+            lines.append(
+                f"| save_in_background, {kind} snapshot buffer | returns in {ret:.3f} s "
+                f"({rmin:.2f}-{rmax:.2f}); durable after {tot:.3f} s ({tmin:.2f}-{tmax:.2f}) | | |"
+            )
     dev, dmin, dmax = _med(runs, "device_read_s")
     fresh, fmin, fmax = _med(runs, "fresh_memory_s")
     lines += [

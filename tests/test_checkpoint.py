@@ -237,3 +237,31 @@ async def test_background_save_from_cuda(tmp_dir):
     await task
     back = await nvme.load(tmp_dir / "g.safetensors", device="cuda")
     assert back["w"].is_cuda and torch.equal(back["w"].cpu(), expected)
+
+
+async def test_background_saves_reuse_the_snapshot_buffer(tmp_dir):
+    nvme.formats.release_snapshot_buffers()
+    first = {"w": torch.randn(1 << 20), "n": 1}
+    await nvme.save_in_background(first, tmp_dir / "a.safetensors")
+    spare = _checkpoint._spare[False]
+    assert spare.nbytes >= 4 << 20
+    # a smaller second checkpoint goes into the same memory: exact bytes, nothing stale
+    second = {"w": torch.arange(1000, dtype=torch.int16), "n": 2}
+    task = nvme.save_in_background(second, tmp_dir / "b.safetensors")
+    assert _checkpoint._spare.get(False) is None  # in use by the write
+    await task
+    assert _checkpoint._spare[False] is spare
+    await nvme.save(second, tmp_dir / "same.safetensors")
+    assert (tmp_dir / "b.safetensors").read_bytes() == (tmp_dir / "same.safetensors").read_bytes()
+    assert_same_tree(first, await nvme.load(tmp_dir / "a.safetensors"))
+    # a bigger one needs a new buffer, which is kept instead
+    await nvme.save_in_background({"w": torch.randn(2 << 20)}, tmp_dir / "c.safetensors")
+    assert _checkpoint._spare[False] is not spare and _checkpoint._spare[False].nbytes >= 8 << 20
+    nvme.formats.release_snapshot_buffers()
+    assert _checkpoint._spare == {}
+
+
+async def test_a_failed_snapshot_writes_nothing(tmp_dir):
+    with pytest.raises(TypeError, match="'bad'"):
+        nvme.save_in_background({"w": torch.ones(3), "bad": {1, 2}}, tmp_dir / "x.safetensors")
+    assert list(tmp_dir.iterdir()) == []

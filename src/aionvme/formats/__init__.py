@@ -4,7 +4,7 @@ durably."""
 
 from __future__ import annotations
 
-from ._checkpoint import load, save, save_in_background
+from ._checkpoint import load, release_snapshot_buffers, save, save_in_background
 from ._header import SafetensorsError, SafetensorsHeader, TensorInfo, TensorNotFoundError
 from ._safetensors import load_safetensors, load_safetensors_sharded, read_header, save_safetensors
 
@@ -17,6 +17,7 @@ __all__ = [
     "load_safetensors",
     "load_safetensors_sharded",
     "read_header",
+    "release_snapshot_buffers",
     "save",
     "save_in_background",
     "save_safetensors",

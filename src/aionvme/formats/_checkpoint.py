@@ -41,7 +41,7 @@ from ._prefault import Prefault
 from ._safetensors import convert, plan, read_file, save_safetensors
 from ._tensors import Source, check_device, is_torch_tensor
 
-__all__ = ["load", "save", "save_in_background"]
+__all__ = ["load", "release_snapshot_buffers", "save", "save_in_background"]
 
 STRUCTURE_KEY = "aionvme.checkpoint"
 VERSION = 1
@@ -224,44 +224,95 @@ async def load(path: PathLike, *, device: Any = "cpu") -> Any:
 # -- background saves ------------------------------------------------------------------
 
 
-def _image(total: int, sources: list[Source]) -> tuple[np.ndarray, Any]:
+class _Staging:
+    """A snapshot buffer: ``base`` owns the memory (a numpy array from
+    :func:`aionvme.empty`, or a pinned torch tensor); ``array`` and ``tensor``
+    view its first ``total`` bytes."""
+
+    __slots__ = ("array", "base", "pinned", "tensor")
+
+    def __init__(self, base: Any, pinned: bool, total: int, torch_view: bool) -> None:
+        self.base = base
+        self.pinned = pinned
+        whole = base.numpy() if pinned else base
+        self.array: np.ndarray = whole[:total]
+        self.tensor: Any = None
+        if pinned:
+            self.tensor = base[:total]
+        elif torch_view:
+            import torch
+
+            self.tensor = torch.from_numpy(self.array)
+
+    @property
+    def capacity(self) -> int:
+        return int(self.base.nbytes)
+
+
+# The buffer of the last finished background save, by kind (pinned or not),
+# kept for the next one: a fresh buffer must be faulted in page by page, which
+# on this VM cost 1 s for 544 MiB when the memory had gone back to the host,
+# against 0.09 s to copy into a buffer used before (the snapshot is what
+# blocks training). release_snapshot_buffers() frees them.
+_spare: dict[bool, Any] = {}
+
+
+def release_snapshot_buffers() -> None:
+    """Free the snapshot buffers kept for reuse by :func:`save_in_background`."""
+    _spare.clear()
+
+
+def _staging(total: int, sources: list[Source]) -> _Staging:
     """A buffer for the whole file: page-aligned host memory, or pinned
-    memory (fast device-to-host copies) when a source is a CUDA tensor."""
-    cuda = any(s.kind == "torch" and s.value.device.type == "cuda" for s in sources)
-    if cuda:
-        import torch
+    memory (fast device-to-host copies) when a source is a CUDA tensor.
+    Reuses the spare one when it is big enough."""
+    pinned = any(s.kind == "torch" and s.value.device.type == "cuda" for s in sources)
+    uses_torch = any(s.kind == "torch" for s in sources)
+    base = _spare.pop(pinned, None)
+    if base is None or base.nbytes < total:
+        base = None  # too small: drop it before allocating the new one
+        if pinned:
+            import torch
 
-        pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-        return pinned.numpy(), pinned
-    arr: np.ndarray = empty(total)
-    if any(s.kind == "torch" for s in sources):
-        import torch
-
-        return arr, torch.from_numpy(arr)
-    return arr, None
+            base = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=True)
+        else:
+            base = empty(max(total, 1))
+    return _Staging(base, pinned, total, uses_torch)
 
 
-def snapshot(obj: Any, metadata: Mapping[str, str] | None) -> np.ndarray:
-    """The complete file ``save`` would write, as one buffer."""
+def snapshot(obj: Any, metadata: Mapping[str, str] | None) -> _Staging:
+    """The complete file ``save`` would write, copied into one buffer."""
     tensors, meta = flatten(obj, metadata)
     header, placed = plan(tensors, meta)
     total = len(header) + sum(s.nbytes for s, _ in placed)
-    image, image_t = _image(total, [s for s, _ in placed])
-    with Prefault(image.ctypes.data, total if image_t is None or not image_t.is_pinned() else 0):
-        image[: len(header)] = np.frombuffer(header, dtype=np.uint8)
-        for src, off in placed:
-            dst_t = image_t[off : off + src.nbytes] if image_t is not None else None
-            src.copy_into(image[off : off + src.nbytes], dst_t)
-    if image_t is not None and image_t.is_pinned():
-        import torch
+    stage = _staging(total, [s for s, _ in placed])
+    image, image_t = stage.array, stage.tensor
+    try:
+        with Prefault(image.ctypes.data, 0 if stage.pinned else total):
+            image[: len(header)] = np.frombuffer(header, dtype=np.uint8)
+            for src, off in placed:
+                dst_t = image_t[off : off + src.nbytes] if image_t is not None else None
+                src.copy_into(image[off : off + src.nbytes], dst_t)
+        if stage.pinned:
+            import torch
 
-        torch.cuda.synchronize()  # the device-to-host copies were asynchronous
-    return image
+            torch.cuda.synchronize()  # the device-to-host copies were asynchronous
+    except BaseException:
+        _spare.setdefault(stage.pinned, stage.base)
+        raise
+    return stage
 
 
-async def _write_image(image: np.ndarray, path: PathLike, durable: bool) -> None:
-    async with atomic_write(path, durable=durable) as f:
-        await f.pwrite(image, 0)
+async def _write_image(stage: _Staging, path: PathLike, durable: bool) -> None:
+    try:
+        async with atomic_write(path, durable=durable) as f:
+            await f.pwrite(stage.array, 0)
+    finally:
+        # pwrite's future ends only when the kernel is done with the buffer
+        # (also when cancelled): it is free for the next snapshot.
+        kept = _spare.get(stage.pinned)
+        if kept is None or kept.nbytes < stage.capacity:
+            _spare[stage.pinned] = stage.base
 
 
 def save_in_background(
@@ -278,10 +329,18 @@ def save_in_background(
 
     Must be called with an event loop running. Await the task (or check
     ``task.exception()``) to learn whether the save succeeded; cancelling it
-    abandons the save and keeps the previous file. The snapshot holds a copy
-    of the whole checkpoint in memory until the write ends.
+    abandons the save and keeps the previous file.
+
+    Notes
+    -----
+    The snapshot buffer holds a copy of the whole checkpoint. When the write
+    ends it is kept (one per kind: plain or pinned, the largest) and reused by
+    the next background save that fits, because faulting in fresh memory is
+    what makes a snapshot slow: periodic checkpoints of the same model copy
+    into memory that is already mapped. ``aionvme.formats.release_snapshot_buffers()``
+    frees it.
     """
     loop = asyncio.get_running_loop()
-    image = snapshot(obj, metadata)
+    stage = snapshot(obj, metadata)
     name = f"aionvme.save_in_background({str(path)!r})"
-    return loop.create_task(_write_image(image, path, durable), name=name)
+    return loop.create_task(_write_image(stage, path, durable), name=name)
