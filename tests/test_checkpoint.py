@@ -29,6 +29,11 @@ def training_state():
     return model, opt
 
 
+async def writing_started(directory):
+    while not any(p.name.endswith(".tmp") for p in directory.iterdir()):
+        await asyncio.sleep(0)
+
+
 def assert_same_tree(a, b, path="root"):
     assert type(a) is type(b) or (isinstance(a, dict) and isinstance(b, dict)), (path, type(a), type(b))
     if isinstance(a, dict):
@@ -205,7 +210,7 @@ async def test_cancelled_background_save_keeps_the_old_checkpoint(tmp_dir):
     await nvme.save({"w": torch.zeros(3)}, path)
     old = path.read_bytes()
     task = nvme.save_in_background({"w": torch.randn(24 << 20)}, path)  # 96 MiB
-    await asyncio.sleep(0.01)
+    await writing_started(tmp_dir)  # the temporary file exists: the write is under way
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

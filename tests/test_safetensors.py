@@ -53,6 +53,11 @@ def same(a, b):
     )
 
 
+async def writing_started(directory):
+    while not any(p.name.endswith(".tmp") for p in directory.iterdir()):
+        await asyncio.sleep(0)
+
+
 def file_bytes(header: dict, data: bytes, pad: int = 8) -> bytes:
     js = json.dumps(header).encode()
     js += b" " * (-len(js) % pad)
@@ -521,7 +526,7 @@ async def test_cancelled_save_keeps_the_old_file(tmp_dir):
     old = path.read_bytes()
     big = {f"w{i}": random_tensor((16 << 20,), torch.uint8, i) for i in range(6)}  # 96 MiB
     task = asyncio.ensure_future(nvme.save_safetensors(big, path))
-    await asyncio.sleep(0.02)
+    await writing_started(tmp_dir)  # the temporary file exists: the write is under way
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
