@@ -108,11 +108,39 @@ def _unlink(*paths: str) -> None:
             os.unlink(p)
 
 
-async def _timed(fn: Callable[[], Awaitable[Any]]) -> tuple[float, Any]:
+async def _timed(fn: Callable[[], Awaitable[Any]]) -> float:
     gc.collect()
     t0 = time.perf_counter()
-    out = await fn()
-    return time.perf_counter() - t0, out
+    await fn()
+    return time.perf_counter() - t0
+
+
+async def _cold_load(
+    load: Callable[[], Awaitable[Any]], expected: dict[str, Any], what: str, verify: bool
+) -> tuple[float, Any]:
+    """Drop the page cache, load, touch every page of the tensors; the time
+    and what was loaded (a dict of tensors, or a checkpoint with "model")."""
+    gc.collect()
+    _drop_caches()
+    t0 = time.perf_counter()
+    got = await load()
+    tensors = got.get("model", got)
+    _touch(tensors)
+    elapsed = time.perf_counter() - t0
+    if verify:
+        _verify(expected, tensors, what)
+    return elapsed, got
+
+
+def _compare(nbytes: int, op: str, base: str, ours_s: float, base_s: float) -> dict[str, float]:
+    gb = nbytes / 1e9
+    return {
+        f"{op}_s": ours_s,
+        f"{op}_{base}_s": base_s,
+        f"{op}_GBps": gb / ours_s,
+        f"{op}_{base}_GBps": gb / base_s,
+        f"{op}_ratio": base_s / ours_s,
+    }
 
 
 async def _device_and_memory(path: str, nbytes: int) -> dict[str, float]:
@@ -121,8 +149,7 @@ async def _device_and_memory(path: str, nbytes: int) -> dict[str, float]:
     from ..file import pread
     from ..memory import empty
 
-    size = os.path.getsize(path)
-    buf = empty(size)
+    buf = empty(os.path.getsize(path))
     buf[::4096] = 1
     _drop_caches()
     t0 = time.perf_counter()
@@ -153,56 +180,31 @@ async def bench_safetensors(directory: str, total_bytes: int, *, verify: bool = 
         st.save_file(sd, ref)
         _fsync_path(ref)
 
-    t_save_ref, _ = await _timed(save_ref)
-    t_save_ours, _ = await _timed(lambda: save_safetensors(sd, ours))
-
-    cold = _drop_caches()
-
-    async def load_ours() -> Any:
-        got = await load_safetensors(ref)
-        _touch(got)
-        return got
-
-    t_load_ours, got = await _timed(load_ours)
-    if verify:
-        _verify(sd, got, "load_safetensors")
-    del got
-    _drop_caches()
-
     async def load_ref() -> Any:
-        got = st.load_file(ref)
-        _touch(got)
-        return got
+        return st.load_file(ref)
 
-    t_load_ref, got = await _timed(load_ref)
+    t_save_ref = await _timed(save_ref)
+    t_save = await _timed(lambda: save_safetensors(sd, ours))
+    cold = _drop_caches()
+    t_load, _ = await _cold_load(lambda: load_safetensors(ref), sd, "load_safetensors", verify)
+    t_load_ref, _ = await _cold_load(load_ref, sd, "safetensors.torch.load_file", verify)
     if verify:
-        _verify(sd, got, "safetensors.torch.load_file")
         _verify(sd, st.load_file(ours), "safetensors.torch.load_file of our file")
-    del got
     extra = await _device_and_memory(ref, nbytes)
     _unlink(ours, ref)
-    gb = nbytes / 1e9
     return {
         "bytes": float(nbytes),
         "tensors": float(len(sd)),
         "cold_cache": float(cold),
-        "load_s": t_load_ours,
-        "load_safetensors_s": t_load_ref,
-        "load_GBps": gb / t_load_ours,
-        "load_safetensors_GBps": gb / t_load_ref,
-        "load_ratio": t_load_ref / t_load_ours,
-        "save_s": t_save_ours,
-        "save_safetensors_s": t_save_ref,
-        "save_GBps": gb / t_save_ours,
-        "save_safetensors_GBps": gb / t_save_ref,
-        "save_ratio": t_save_ref / t_save_ours,
+        **_compare(nbytes, "load", "safetensors", t_load, t_load_ref),
+        **_compare(nbytes, "save", "safetensors", t_save, t_save_ref),
         **extra,
     }
 
 
 async def bench_checkpoint(directory: str, total_bytes: int, *, verify: bool = True) -> dict[str, float]:
     """nvme.save / nvme.load / save_in_background vs torch.save (+ fsync) and
-    torch.load (cold) on a checkpoint: weights plus step, config and RNG state."""
+    torch.load (cold) on a checkpoint: weights plus step and config."""
     import torch
 
     from ._checkpoint import load, release_snapshot_buffers, save, save_in_background
@@ -217,8 +219,11 @@ async def bench_checkpoint(directory: str, total_bytes: int, *, verify: bool = T
         torch.save(ckpt, ref)
         _fsync_path(ref)
 
-    t_save_ref, _ = await _timed(save_ref)
-    t_save_ours, _ = await _timed(lambda: save(ckpt, ours))
+    async def load_ref() -> Any:
+        return torch.load(ref)
+
+    t_save_ref = await _timed(save_ref)
+    t_save = await _timed(lambda: save(ckpt, ours))
 
     # Background: how long training is blocked (the snapshot) and until it is
     # durable, first into a fresh snapshot buffer, then into the kept one.
@@ -234,47 +239,20 @@ async def bench_checkpoint(directory: str, total_bytes: int, *, verify: bool = T
     release_snapshot_buffers()
 
     cold = _drop_caches()
-
-    async def load_ours() -> Any:
-        got = await load(ours)
-        _touch(got["model"])
-        return got
-
-    t_load_ours, got = await _timed(load_ours)
-    if verify:
-        _verify(sd, got["model"], "nvme.load")
-        if got["step"] != 1000 or got["config"]["betas"] != (0.9, 0.95):
-            raise RuntimeError("nvme.load: non-tensor values differ")
+    t_load, got = await _cold_load(lambda: load(ours), sd, "nvme.load", verify)
+    if verify and (got["step"] != 1000 or got["config"]["betas"] != (0.9, 0.95)):
+        raise RuntimeError("nvme.load: the non-tensor values differ")
     del got
-    _drop_caches()
-
-    async def load_ref() -> Any:
-        got = torch.load(ref)
-        _touch(got["model"])
-        return got
-
-    t_load_ref, got = await _timed(load_ref)
-    if verify:
-        _verify(sd, got["model"], "torch.load")
-    del got
+    t_load_ref, _ = await _cold_load(load_ref, sd, "torch.load", verify)
     extra = await _device_and_memory(ours, nbytes)
     _unlink(ours, ref)
-    gb = nbytes / 1e9
     return {
         "bytes": float(nbytes),
         "tensors": float(len(sd)),
         "cold_cache": float(cold),
-        "save_s": t_save_ours,
-        "save_torch_s": t_save_ref,
-        "save_GBps": gb / t_save_ours,
-        "save_torch_GBps": gb / t_save_ref,
-        "save_ratio": t_save_ref / t_save_ours,
+        **_compare(nbytes, "save", "torch", t_save, t_save_ref),
         **background,
-        "load_s": t_load_ours,
-        "load_torch_s": t_load_ref,
-        "load_GBps": gb / t_load_ours,
-        "load_torch_GBps": gb / t_load_ref,
-        "load_ratio": t_load_ref / t_load_ours,
+        **_compare(nbytes, "load", "torch", t_load, t_load_ref),
         **extra,
     }
 

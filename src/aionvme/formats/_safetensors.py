@@ -24,7 +24,7 @@ from ..atomic import atomic_write
 from ..exceptions import os_error
 from ..file import File, PathLike
 from ..file import open as nvme_open
-from ..memory import empty
+from ..memory import _torch_dtype, empty
 from ._header import (
     METADATA_KEY,
     SafetensorsError,
@@ -57,10 +57,13 @@ _MERGE_GAP = 256 * 1024
 # are written from their own memory. At most two waves of _WAVE bytes are in
 # flight, which bounds the staging memory.
 _SMALL = 256 * 1024
-_DATA_ALIGN = 4096  # the largest O_DIRECT alignment in common use (4Kn drives)
-_PAD_DATA_FROM = 1 << 20
 _STAGE = 4 * 1024 * 1024
 _WAVE = 64 * 1024 * 1024
+# Layout of the files we write (see plan()): the data region starts on a
+# _DATA_ALIGN boundary, the largest O_DIRECT alignment in common use (4Kn
+# drives), when it holds at least _PAD_DATA_FROM bytes.
+_DATA_ALIGN = 4096
+_PAD_DATA_FROM = 1 << 20
 
 
 # -- reading -----------------------------------------------------------------------
@@ -161,8 +164,6 @@ def _target_dtype(dtype: Any, like: str) -> Any:
         return None
     if like == "numpy":
         return np.dtype(dtype)
-    from ..memory import _torch_dtype
-
     return _torch_dtype(dtype)
 
 
@@ -230,7 +231,9 @@ async def load_safetensors(
         Cast floating-point tensors to this dtype after reading. Integer and
         bool tensors (token ids, step counters, masks) are left as they are.
     keys : iterable of str, optional
-        Load only these tensors; only their byte ranges are read.
+        Load only these tensors; only their byte ranges are read (with any
+        gap under 256 KiB between two of them, which is cheaper than a second
+        request).
         :class:`TensorNotFoundError` (a KeyError) names any the file lacks.
     like : {"torch", "numpy"}
         numpy needs no torch, but has no bf16/fp8 dtypes (those raise).
