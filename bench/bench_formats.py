@@ -44,12 +44,13 @@ def _med(runs: list[dict[str, float]], key: str) -> tuple[float, float, float]:
     return statistics.median(vals), min(vals), max(vals)
 
 
-def report(name: str, runs: list[dict[str, float]]) -> str:
+def report(name: str, runs: list[dict[str, float]], pause: float = 0.0) -> str:
     nbytes = runs[0]["bytes"]
     gb = nbytes / 1e9
     lines = [
         f"### {name}: {human_bytes(nbytes)} in {int(runs[0]['tensors'])} bf16 tensors, "
         f"median of {len(runs)} runs (min-max)"
+        + (f", {pause:g} s idle before each load" if pause else "")
         + ("" if all(r["cold_cache"] for r in runs) else " - page cache NOT dropped (not root)"),
         "",
         "| operation | aionvme | baseline | ratio |",
@@ -83,8 +84,8 @@ def report(name: str, runs: list[dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-async def _run(name: str, directory: str, size: int, verify: bool) -> dict[str, float]:
-    return await WORKLOADS[name](directory, size, verify=verify)
+async def _run(name: str, directory: str, size: int, verify: bool, pause: float) -> dict[str, float]:
+    return await WORKLOADS[name](directory, size, verify=verify, pause=pause)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,6 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a local disk)")
     ap.add_argument("--no-verify", action="store_true", help="skip checking the data read back")
+    ap.add_argument(
+        "--pause",
+        type=float,
+        default=0.0,
+        help="idle seconds before each load (a VM returns freed memory to its host meanwhile)",
+    )
     args = ap.parse_args(argv)
     size = parse_size(args.size)
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
@@ -101,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             runs: list[dict[str, Any]] = []
             for i in range(args.repeat):
-                r = asyncio.run(_run(name, d, size, not args.no_verify))
+                r = asyncio.run(_run(name, d, size, not args.no_verify, args.pause))
                 runs.append(r)
                 print(
                     f"# {name} run {i + 1}/{args.repeat}: "
@@ -109,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
-            print(report(name, runs) + "\n", flush=True)
+            print(report(name, runs, args.pause) + "\n", flush=True)
     return 0
 
 

@@ -22,6 +22,7 @@ Fairness:
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 import time
@@ -116,12 +117,15 @@ async def _timed(fn: Callable[[], Awaitable[Any]]) -> float:
 
 
 async def _cold_load(
-    load: Callable[[], Awaitable[Any]], expected: dict[str, Any], what: str, verify: bool
+    load: Callable[[], Awaitable[Any]], expected: dict[str, Any], what: str, verify: bool, pause: float
 ) -> tuple[float, Any]:
-    """Drop the page cache, load, touch every page of the tensors; the time
-    and what was loaded (a dict of tensors, or a checkpoint with "model")."""
+    """Drop the page cache, wait ``pause`` seconds, load, touch every page of
+    the tensors; the time and what was loaded (a dict of tensors, or a
+    checkpoint with "model")."""
     gc.collect()
     _drop_caches()
+    if pause:
+        await asyncio.sleep(pause)  # let the VM hand freed memory back to the host, as between jobs
     t0 = time.perf_counter()
     got = await load()
     tensors = got.get("model", got)
@@ -164,9 +168,12 @@ async def _device_and_memory(path: str, nbytes: int) -> dict[str, float]:
     return {"device_read_s": device, "fresh_memory_s": fault}
 
 
-async def bench_safetensors(directory: str, total_bytes: int, *, verify: bool = True) -> dict[str, float]:
+async def bench_safetensors(
+    directory: str, total_bytes: int, *, verify: bool = True, pause: float = 0.0
+) -> dict[str, float]:
     """load_safetensors vs safetensors.torch.load_file (cold, every page
-    touched) and save_safetensors vs safetensors.torch.save_file (+ fsync)."""
+    touched) and save_safetensors vs safetensors.torch.save_file (+ fsync).
+    ``pause``: seconds to idle before each load (see _cold_load)."""
     import safetensors.torch as st
 
     from ._safetensors import load_safetensors, save_safetensors
@@ -186,8 +193,8 @@ async def bench_safetensors(directory: str, total_bytes: int, *, verify: bool = 
     t_save_ref = await _timed(save_ref)
     t_save = await _timed(lambda: save_safetensors(sd, ours))
     cold = _drop_caches()
-    t_load, _ = await _cold_load(lambda: load_safetensors(ref), sd, "load_safetensors", verify)
-    t_load_ref, _ = await _cold_load(load_ref, sd, "safetensors.torch.load_file", verify)
+    t_load, _ = await _cold_load(lambda: load_safetensors(ref), sd, "load_safetensors", verify, pause)
+    t_load_ref, _ = await _cold_load(load_ref, sd, "safetensors.torch.load_file", verify, pause)
     if verify:
         _verify(sd, st.load_file(ours), "safetensors.torch.load_file of our file")
     extra = await _device_and_memory(ref, nbytes)
@@ -202,9 +209,12 @@ async def bench_safetensors(directory: str, total_bytes: int, *, verify: bool = 
     }
 
 
-async def bench_checkpoint(directory: str, total_bytes: int, *, verify: bool = True) -> dict[str, float]:
+async def bench_checkpoint(
+    directory: str, total_bytes: int, *, verify: bool = True, pause: float = 0.0
+) -> dict[str, float]:
     """nvme.save / nvme.load / save_in_background vs torch.save (+ fsync) and
-    torch.load (cold) on a checkpoint: weights plus step and config."""
+    torch.load (cold) on a checkpoint: weights plus step and config.
+    ``pause``: seconds to idle before each load and background save."""
     import torch
 
     from ._checkpoint import load, release_snapshot_buffers, save, save_in_background
@@ -231,6 +241,8 @@ async def bench_checkpoint(directory: str, total_bytes: int, *, verify: bool = T
     release_snapshot_buffers()
     for kind in ("fresh", "reused"):
         gc.collect()
+        if pause:
+            await asyncio.sleep(pause)
         t0 = time.perf_counter()
         task = save_in_background(ckpt, ours)
         background[f"background_{kind}_return_s"] = time.perf_counter() - t0
@@ -239,11 +251,11 @@ async def bench_checkpoint(directory: str, total_bytes: int, *, verify: bool = T
     release_snapshot_buffers()
 
     cold = _drop_caches()
-    t_load, got = await _cold_load(lambda: load(ours), sd, "nvme.load", verify)
+    t_load, got = await _cold_load(lambda: load(ours), sd, "nvme.load", verify, pause)
     if verify and (got["step"] != 1000 or got["config"]["betas"] != (0.9, 0.95)):
         raise RuntimeError("nvme.load: the non-tensor values differ")
     del got
-    t_load_ref, _ = await _cold_load(load_ref, sd, "torch.load", verify)
+    t_load_ref, _ = await _cold_load(load_ref, sd, "torch.load", verify, pause)
     extra = await _device_and_memory(ours, nbytes)
     _unlink(ours, ref)
     return {
