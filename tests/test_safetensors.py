@@ -340,6 +340,23 @@ async def test_errors_name_the_tensor(tmp_dir):
     assert err.value.filename == str(path)
 
 
+def test_errors_pickle():
+    import pickle
+
+    e = pickle.loads(pickle.dumps(nvme.SafetensorsError("bad offsets", "/x.safetensors", "w")))
+    assert (str(e), e.filename, e.tensor) == (
+        "/x.safetensors: tensor 'w': bad offsets",
+        "/x.safetensors",
+        "w",
+    )
+    k = pickle.loads(pickle.dumps(nvme.TensorNotFoundError(["b", "a"], "/x.safetensors")))
+    assert (k.missing, k.filename, str(k)) == (
+        ["a", "b"],
+        "/x.safetensors",
+        "/x.safetensors: no tensor named 'a', 'b'",
+    )
+
+
 async def test_missing_file_is_file_not_found(tmp_dir):
     with pytest.raises(FileNotFoundError):
         await nvme.load_safetensors(tmp_dir / "nope.safetensors")

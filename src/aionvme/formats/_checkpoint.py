@@ -296,7 +296,9 @@ def snapshot(obj: Any, metadata: Mapping[str, str] | None) -> _Staging:
         if stage.pinned:
             import torch
 
-            torch.cuda.synchronize()  # the device-to-host copies were asynchronous
+            # the device-to-host copies were asynchronous: wait on every device involved
+            for dev in {s.value.device for s, _ in placed if s.kind == "torch" and s.value.is_cuda}:
+                torch.cuda.synchronize(dev)
     except BaseException:
         _spare.setdefault(stage.pinned, stage.base)
         raise

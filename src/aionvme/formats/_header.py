@@ -86,6 +86,9 @@ class TensorNotFoundError(AionvmeError, KeyError):
     def __str__(self) -> str:  # KeyError's str() would quote the whole message
         return str(self.args[0])
 
+    def __reduce__(self) -> tuple[Any, ...]:  # pickles (multiprocessing, loaders)
+        return (type(self), (self.missing, self.filename))
+
 
 @dataclass(frozen=True)
 class DType:
