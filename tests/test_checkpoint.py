@@ -133,6 +133,8 @@ async def test_unsupported_values_fail_before_touching_the_file(tmp_dir):
     path.write_bytes(b"previous")
     with pytest.raises(TypeError, match=r"'opt\.sched'"):
         await nvme.save({"opt": {"sched": object()}}, path)
+    with pytest.raises(TypeError, match=r"numpy scalar: save x\.item\(\)"):
+        await nvme.save({"best": np.int64(3)}, path)
     with pytest.raises(TypeError, match="keys must be"):
         await nvme.save({("a", 1): torch.ones(1)}, path)
     loop: dict = {"x": torch.ones(1)}

@@ -108,10 +108,11 @@ class _Flattener:
                 return {tag: [self.walk(v, [*path, i]) for i, v in enumerate(x)]}
             finally:
                 self.active.discard(id(x))
+        hint = " (a numpy scalar: save x.item(), or np.asarray(x) to keep its dtype)"
         raise TypeError(
             f"cannot save a {type(x).__module__}.{type(x).__qualname__} at {_where(path)}: a checkpoint "
             "holds torch tensors, numpy arrays, str, int, float, bool, None, and dicts, lists and "
-            "tuples of them"
+            "tuples of them" + (hint if isinstance(x, np.generic) else "")
         )
 
 
@@ -198,7 +199,7 @@ async def load(path: PathLike, *, device: Any = "cpu") -> Any:
         return {t.name: convert(got.tensor(t, "torch"), None, dev, "torch") for t in got.infos}
     try:
         doc = json.loads(raw)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise SafetensorsError(f"checkpoint structure is not valid JSON: {e}", got.filename) from None
     if not isinstance(doc, dict) or "root" not in doc:
         raise SafetensorsError("checkpoint structure lacks its root", got.filename)
@@ -218,7 +219,10 @@ async def load(path: PathLike, *, device: Any = "cpu") -> Any:
             made[name] = convert(got.tensor(infos[name], like), None, dev if like == "torch" else None, like)
         return made[name]
 
-    return _rebuild(doc["root"], tensor, got.filename)
+    try:
+        return _rebuild(doc["root"], tensor, got.filename)
+    except RecursionError:
+        raise SafetensorsError("checkpoint structure is nested too deeply", got.filename) from None
 
 
 # -- background saves ------------------------------------------------------------------
