@@ -369,6 +369,13 @@ async def test_a_large_header_is_read_in_two_steps(tmp_dir):
     assert struct.unpack("<Q", path.read_bytes()[:8])[0] > _safetensors._HEADER_PROBE
     got = await nvme.load_safetensors(path)
     assert all(torch.equal(got[k], v) for k, v in tensors.items())
+    # and written by us: a header bigger than a staging buffer's small-write threshold
+    names = {f"{'x' * 150}.{i}": v for i, (_, v) in enumerate(tensors.items())}
+    ours = tmp_dir / "wide_ours.safetensors"
+    await nvme.save_safetensors(names, ours)
+    assert struct.unpack("<Q", ours.read_bytes()[:8])[0] > _safetensors._SMALL
+    back = st.load_file(ours)
+    assert all(torch.equal(back[k], v) for k, v in names.items())
 
 
 # -- keys=, dtype=, device=, like= ------------------------------------------------------
