@@ -32,6 +32,16 @@ from .exceptions import (
     UnsupportedOperation,
 )
 from .file import File, fsync, open, pread, pread_many, pwrite, pwrite_many
+from .formats import (
+    SafetensorsError,
+    TensorNotFoundError,
+    load,
+    load_safetensors,
+    load_safetensors_sharded,
+    save,
+    save_in_background,
+    save_safetensors,
+)
 from .handle import Handle
 from .memory import empty, is_aligned
 from .runtime import aclose, stats
@@ -58,8 +68,10 @@ __all__ = [
     "InvalidOffsetError",
     "NonContiguousBufferError",
     "ReadOnlyBufferError",
+    "SafetensorsError",
     "ShortReadError",
     "ShortWriteError",
+    "TensorNotFoundError",
     "UnsupportedOperation",
     "__version__",
     "aclose",
@@ -69,10 +81,16 @@ __all__ = [
     "fsync",
     "info",
     "is_aligned",
+    "load",
+    "load_safetensors",
+    "load_safetensors_sharded",
     "open",
     "pread",
     "pread_many",
     "pwrite",
     "pwrite_many",
+    "save",
+    "save_in_background",
+    "save_safetensors",
     "stats",
 ]

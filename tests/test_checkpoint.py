@@ -1,0 +1,274 @@
+"""Checkpoints: nested state dicts round-trip through nvme.save/nvme.load,
+stay readable by safetensors, keep ties, save atomically, and
+save_in_background snapshots before it returns."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import numpy as np
+import pytest
+
+import aionvme as nvme
+from aionvme.formats import _checkpoint
+
+torch = pytest.importorskip("torch")
+st = pytest.importorskip("safetensors.torch")
+
+
+def training_state():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 50))
+    model[2].weight = model[0].weight  # tied input/output embeddings
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+    for _ in range(2):
+        model(torch.randint(0, 50, (4, 7))).sum().backward()
+        opt.step()
+    return model, opt
+
+
+async def writing_started(directory):
+    while not any(p.name.endswith(".tmp") for p in directory.iterdir()):
+        await asyncio.sleep(0)
+
+
+def assert_same_tree(a, b, path="root"):
+    assert type(a) is type(b) or (isinstance(a, dict) and isinstance(b, dict)), (path, type(a), type(b))
+    if isinstance(a, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            assert_same_tree(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_tree(x, y, f"{path}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), path
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and np.array_equal(a, b), path
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b), path
+    else:
+        assert a == b, path
+
+
+async def test_model_and_optimizer_round_trip(tmp_dir):
+    model, opt = training_state()
+    ckpt = {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "step": 1234,
+        "rng": torch.get_rng_state(),
+        "config": {"lr": 1e-3, "betas": (0.9, 0.95), "name": "run-7", "warmup": None, "loss": float("nan")},
+        "history": [1.5, 1.25, {"eval": np.arange(4, dtype=np.float32)}],
+        7: "int key",
+        True: "bool key",
+    }
+    path = tmp_dir / "ckpt.safetensors"
+    await nvme.save(ckpt, path)
+    back = await nvme.load(path)
+    assert_same_tree(ckpt, back)
+    assert isinstance(back["optimizer"]["state"], dict) and 0 in back["optimizer"]["state"]
+    assert back["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.95)
+    # usable as it comes back
+    model2, opt2 = training_state()
+    model2.load_state_dict(back["model"])
+    opt2.load_state_dict(back["optimizer"])
+
+
+async def test_ties_are_stored_once_and_come_back_tied(tmp_dir):
+    model, _ = training_state()
+    sd = model.state_dict()
+    path = tmp_dir / "tied.safetensors"
+    await nvme.save({"model": sd}, path)
+    flat = st.load_file(path)
+    assert "model.0.weight" in flat and "model.2.weight" not in flat  # stored once
+    back = await nvme.load(path)
+    assert back["model"]["0.weight"] is back["model"]["2.weight"]
+    # views that only overlap are separate tensors
+    base = torch.arange(10.0)
+    await nvme.save({"a": base[:6], "b": base[4:]}, path)
+    got = await nvme.load(path)
+    assert torch.equal(got["a"], base[:6]) and torch.equal(got["b"], base[4:])
+    got["a"][5] = -1
+    assert got["b"][1] == 5
+
+
+async def test_readable_by_safetensors_with_dotted_names(tmp_dir):
+    ckpt = {"model": {"layer.0.w": torch.ones(2)}, "a.b": torch.zeros(1), "a": {"b": torch.full((1,), 2.0)}}
+    path = tmp_dir / "c.safetensors"
+    await nvme.save(ckpt, path, metadata={"epoch": "3"})
+    flat = st.load_file(path)
+    assert set(flat) == {"model.layer.0.w", "a.b", "a.b~2"}
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata()
+    assert meta["epoch"] == "3"
+    assert json.loads(meta[_checkpoint.STRUCTURE_KEY])["version"] == 1
+    back = await nvme.load(path)
+    assert_same_tree(ckpt, back)
+
+
+async def test_plain_safetensors_files_load_as_flat_dicts(tmp_dir):
+    path = tmp_dir / "plain.safetensors"
+    st.save_file({"x": torch.ones(3), "y": torch.arange(2)}, path)
+    back = await nvme.load(path)
+    assert set(back) == {"x", "y"} and torch.equal(back["x"], torch.ones(3))
+
+
+async def test_a_bare_tensor_and_empty_containers(tmp_dir):
+    path = tmp_dir / "t.safetensors"
+    await nvme.save(torch.arange(5), path)
+    assert torch.equal(await nvme.load(path), torch.arange(5))
+    await nvme.save({"a": {}, "b": [], "c": (), "e": torch.empty(0, 3)}, path)
+    back = await nvme.load(path)
+    assert back["a"] == {} and back["b"] == [] and back["c"] == () and back["e"].shape == (0, 3)
+
+
+async def test_unsupported_values_fail_before_touching_the_file(tmp_dir):
+    path = tmp_dir / "c.safetensors"
+    path.write_bytes(b"previous")
+    with pytest.raises(TypeError, match=r"'opt\.sched'"):
+        await nvme.save({"opt": {"sched": object()}}, path)
+    with pytest.raises(TypeError, match=r"numpy scalar: save x\.item\(\)"):
+        await nvme.save({"best": np.int64(3)}, path)
+    with pytest.raises(TypeError, match="keys must be"):
+        await nvme.save({("a", 1): torch.ones(1)}, path)
+    loop: dict = {"x": torch.ones(1)}
+    loop["self"] = loop
+    with pytest.raises(ValueError, match="circular"):
+        await nvme.save(loop, path)
+    with pytest.raises(ValueError, match="reserved"):
+        await nvme.save({"x": torch.ones(1)}, path, metadata={_checkpoint.STRUCTURE_KEY: "x"})
+    assert path.read_bytes() == b"previous"
+    assert [p.name for p in tmp_dir.iterdir()] == ["c.safetensors"]
+
+
+async def test_corrupt_structure_is_a_clear_error(tmp_dir):
+    path = tmp_dir / "c.safetensors"
+    for structure, message in [
+        ("{not json", "not valid JSON"),
+        ('{"version": 99, "root": 1}', "version 99"),
+        ('{"version": 1, "root": {"t": "ghost"}}', "missing tensor 'ghost'"),
+        ('{"version": 1, "root": {"zz": []}}', "unknown node"),
+    ]:
+        st.save_file({"x": torch.ones(1)}, path, metadata={_checkpoint.STRUCTURE_KEY: structure})
+        with pytest.raises(nvme.SafetensorsError, match=message):
+            await nvme.load(path)
+
+
+async def test_load_device_checks(tmp_dir):
+    path = tmp_dir / "c.safetensors"
+    await nvme.save({"w": torch.ones(2)}, path)
+    if not torch.cuda.is_available():
+        with pytest.raises(nvme.DeviceError):
+            await nvme.load(path, device="cuda")
+    else:
+        assert (await nvme.load(path, device="cuda"))["w"].is_cuda
+
+
+# -- save_in_background ----------------------------------------------------------------
+
+
+async def test_background_save_snapshots_before_returning(tmp_dir):
+    path = tmp_dir / "bg.safetensors"
+    w = torch.randn(8 << 20)  # 32 MiB: the write is still in flight when we mutate
+    b = torch.arange(10)
+    arr = np.arange(6, dtype=np.float64)
+    expected = {"w": w.clone(), "b": b.clone(), "arr": arr.copy(), "step": 5}
+    state = {"w": w, "b": b, "arr": arr, "step": 5}
+    task = nvme.save_in_background(state, path)
+    assert isinstance(task, asyncio.Task) and not task.done()
+    w.mul_(-1)  # training continues
+    b.zero_()
+    arr[:] = -1
+    state["step"] = 6
+    state["new"] = torch.ones(1)
+    await task
+    back = await nvme.load(path)
+    assert_same_tree(expected, back)
+    assert st.load_file(path).keys() == {"w", "b", "arr"}
+
+
+async def test_background_save_of_views_and_strided_tensors(tmp_dir):
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    state = {"t": base.t(), "row": base[2], "base": base, "bf": base.to(torch.bfloat16)}
+    expected = {k: v.clone() for k, v in state.items()}
+    task = nvme.save_in_background(state, tmp_dir / "v.safetensors")
+    base.fill_(0)
+    await task
+    back = await nvme.load(tmp_dir / "v.safetensors")
+    assert_same_tree(expected, back)
+    # the same bytes save() writes
+    await nvme.save(expected, tmp_dir / "same.safetensors")
+    assert (tmp_dir / "v.safetensors").read_bytes() == (tmp_dir / "same.safetensors").read_bytes()
+
+
+async def test_cancelled_background_save_keeps_the_old_checkpoint(tmp_dir):
+    path = tmp_dir / "bg.safetensors"
+    await nvme.save({"w": torch.zeros(3)}, path)
+    old = path.read_bytes()
+    task = nvme.save_in_background({"w": torch.randn(24 << 20)}, path)  # 96 MiB
+    await writing_started(tmp_dir)  # the temporary file exists: the write is under way
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert path.read_bytes() == old
+    assert [p.name for p in tmp_dir.iterdir()] == ["bg.safetensors"]
+
+
+def test_background_save_needs_a_running_loop(tmp_dir):
+    with pytest.raises(RuntimeError, match="event loop"):
+        nvme.save_in_background({"w": torch.ones(1)}, tmp_dir / "x.safetensors")
+    assert list(tmp_dir.iterdir()) == []
+
+
+async def test_background_save_errors_arrive_through_the_task(tmp_dir):
+    task = nvme.save_in_background({"w": torch.ones(1)}, tmp_dir / "no-such-dir" / "x.safetensors")
+    with pytest.raises(FileNotFoundError):
+        await task
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)"
+)
+async def test_background_save_from_cuda(tmp_dir):
+    w = torch.randn(1 << 20, device="cuda")
+    expected = w.cpu()
+    task = nvme.save_in_background({"w": w, "n": torch.arange(3)}, tmp_dir / "g.safetensors")
+    w.zero_()
+    await task
+    back = await nvme.load(tmp_dir / "g.safetensors", device="cuda")
+    assert back["w"].is_cuda and torch.equal(back["w"].cpu(), expected)
+
+
+async def test_background_saves_reuse_the_snapshot_buffer(tmp_dir):
+    nvme.formats.release_snapshot_buffers()
+    first = {"w": torch.randn(1 << 20), "n": 1}
+    await nvme.save_in_background(first, tmp_dir / "a.safetensors")
+    spare = _checkpoint._spare[False]
+    assert spare.nbytes >= 4 << 20
+    # a smaller second checkpoint goes into the same memory: exact bytes, nothing stale
+    second = {"w": torch.arange(1000, dtype=torch.int16), "n": 2}
+    task = nvme.save_in_background(second, tmp_dir / "b.safetensors")
+    assert _checkpoint._spare.get(False) is None  # in use by the write
+    await task
+    assert _checkpoint._spare[False] is spare
+    await nvme.save(second, tmp_dir / "same.safetensors")
+    assert (tmp_dir / "b.safetensors").read_bytes() == (tmp_dir / "same.safetensors").read_bytes()
+    assert_same_tree(first, await nvme.load(tmp_dir / "a.safetensors"))
+    # a bigger one needs a new buffer, which is kept instead
+    await nvme.save_in_background({"w": torch.randn(2 << 20)}, tmp_dir / "c.safetensors")
+    assert _checkpoint._spare[False] is not spare and _checkpoint._spare[False].nbytes >= 8 << 20
+    nvme.formats.release_snapshot_buffers()
+    assert _checkpoint._spare == {}
+
+
+async def test_a_failed_snapshot_writes_nothing(tmp_dir):
+    with pytest.raises(TypeError, match="'bad'"):
+        nvme.save_in_background({"w": torch.ones(3), "bad": {1, 2}}, tmp_dir / "x.safetensors")
+    assert list(tmp_dir.iterdir()) == []
