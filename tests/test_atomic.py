@@ -61,3 +61,40 @@ def test_sync_form(tmp_dir):
     with nvme.atomic_write(path) as f:
         f.sync_pwrite(b"hello world", 0)
     assert path.read_bytes() == b"hello world"
+
+
+async def test_cancel_during_commit_sees_the_commit_through(tmp_dir, monkeypatch):
+    # Cancel while the directory fsync runs: the rename has happened, so the
+    # fsync must finish before CancelledError reaches the caller.
+    import threading
+
+    from aionvme import atomic
+
+    path = tmp_dir / "ckpt.bin"
+    path.write_bytes(b"old")
+    started, release = threading.Event(), threading.Event()
+    synced = []
+    real = atomic.fsync_dir
+
+    def slow_fsync_dir(d):
+        started.set()
+        release.wait(10)
+        real(d)
+        synced.append(d)
+
+    monkeypatch.setattr(atomic, "fsync_dir", slow_fsync_dir)
+
+    async def save():
+        async with nvme.atomic_write(path) as f:
+            await f.pwrite(b"new content", 0)
+
+    t = asyncio.ensure_future(save())
+    while not started.is_set():
+        await asyncio.sleep(0.005)
+    t.cancel()
+    await asyncio.sleep(0.05)
+    assert not t.done()  # still waiting for the fsync
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await t
+    assert synced and path.read_bytes() == b"new content"

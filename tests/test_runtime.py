@@ -389,3 +389,31 @@ def test_tiny_submit_budget_and_inflight_cap_serve_everything(make_file):
     with nvme.defaults.set(block_size="64K", submit_budget="64K", inflight_bytes="256K"):
         s = asyncio.run(main())
     assert s["max_inflight_bytes"] == 256 << 10 and s["submit_budget"] == 64 << 10
+
+
+def test_block_device_gets_o_direct_and_kernel_aio(tmp_dir):
+    # The device node lives on devtmpfs; the device itself takes O_DIRECT.
+    import shutil
+    import subprocess
+
+    from conftest import IS_ROOT
+
+    if not IS_ROOT or shutil.which("losetup") is None:
+        pytest.skip("needs root and losetup(8) for a loop device")
+    backing = tmp_dir / "disk.img"
+    with open(backing, "wb") as fh:
+        fh.truncate(8 << 20)
+    r = subprocess.run(["losetup", "-f", "--show", str(backing)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"losetup failed: {r.stderr.strip()}")
+    dev = r.stdout.strip()
+    try:
+        data = np.random.default_rng(9).integers(0, 256, 3 << 20, dtype=np.uint8)
+        with nvme.open(dev, "r+") as f:
+            assert f.info.direct and f.info.align >= 512, f.info
+            f.sync_pwrite(data[:100_001], 777)
+            out = np.zeros(100_001, np.uint8)
+            f.sync_pread(out, 777)
+        assert np.array_equal(out, data[:100_001])
+    finally:
+        subprocess.run(["losetup", "-d", dev], check=False)

@@ -65,12 +65,15 @@ class AtomicWriter:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.tmp_path)
 
-    def _publish(self) -> None:
+    def _rename(self) -> None:
         try:
             os.replace(self.tmp_path, self.path)
         except OSError as e:
             self._discard()
             raise os_error(e.errno or 5, self.path, op="rename") from None
+
+    def _publish(self) -> None:
+        self._rename()
         if self.durable:
             fsync_dir(self.directory)
 
@@ -95,10 +98,18 @@ class AtomicWriter:
             self._discard()
             raise
         f.close()
+        # The rename is the commit point (one metadata operation: done here).
+        # The directory fsync that makes it durable runs on a thread and is
+        # seen through even if this task is cancelled meanwhile: a caller that
+        # gets CancelledError from here has its new file in place and durable.
+        self._rename()
         if self.durable:
-            await asyncio.to_thread(self._publish)
-        else:
-            self._publish()
+            sync = asyncio.ensure_future(asyncio.to_thread(fsync_dir, self.directory))
+            try:
+                await asyncio.shield(sync)
+            except asyncio.CancelledError:
+                await sync
+                raise
 
     # -- sync ------------------------------------------------------------------
 

@@ -14,7 +14,16 @@ from collections.abc import Awaitable, Iterable
 from typing import Any
 
 from . import _sync, defaults
-from ._engine import KERNEL_AIO, WORKER_POOL, FileHandle, Inode, fs_type, fstatx
+from ._engine import (
+    KERNEL_AIO,
+    MODE_NO_OVERLAP,
+    MODE_SINGLE_SUBMIT,
+    WORKER_POOL,
+    FileHandle,
+    Inode,
+    fs_type,
+    fstatx,
+)
 from ._reactor import get_reactor
 from .exceptions import ClosedFileError, os_error
 
@@ -131,7 +140,8 @@ def open_handle(
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
         fst = fs_type(fd)  # not cached by st_dev: mounts reuse anonymous device numbers
         align, mem_align = st["dio_offset_align"], st["dio_mem_align"]
-        if is_direct and fst in _MEMORY_FS:
+        if is_direct and fst in _MEMORY_FS and stat.S_ISREG(mode):
+            # (a block device's node lives on devtmpfs: that says nothing of the device)
             # tmpfs takes O_DIRECT but copies inside io_submit: serve it from
             # the worker pool, buffered, where any alignment is fine.
             reopened = _os_open(path, flags & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC))
@@ -311,12 +321,9 @@ class File:
         except OSError as e:
             raise os_error(e.errno or errno.EIO, self.path, offset=size, op="ftruncate") from None
 
-    def _params(self) -> tuple[int, int]:
-        s = defaults.settings
-        return (
-            self.block_size or s.block_size,
-            self.parallelism if self.parallelism is not None else s.max_inflight,
-        )
+    def _params(self) -> tuple[int, int, int]:
+        """(chunk size, chunks in flight per request, engine mode bits) for a call."""
+        return _params(self.block_size, self.parallelism)
 
     def __repr__(self) -> str:
         state = (
@@ -336,14 +343,12 @@ class File:
         many needs no Task per call.
         """
         r = get_reactor()
-        block, par = self._params()
-        return r.submit(r.engine.read(self._handle(), buf, offset, block, par))
+        return r.submit(r.engine.read(self._handle(), buf, offset, *self._params()))
 
     def pwrite(self, buf: Any, offset: int = 0) -> Awaitable[int]:
         """Write all of buf at offset (the file grows as needed; never truncated)."""
         r = get_reactor()
-        block, par = self._params()
-        return r.submit(r.engine.write(self._handle(), buf, offset, block, par))
+        return r.submit(r.engine.write(self._handle(), buf, offset, *self._params()))
 
     def pread_many(self, items: Iterable[tuple[Any, int]]) -> Awaitable[int]:
         """Fill each (buffer, offset) pair; one future for the whole batch.
@@ -351,14 +356,12 @@ class File:
         The batch succeeds or raises as a unit; a short read names the item.
         """
         r = get_reactor()
-        block, par = self._params()
-        return r.submit(r.engine.readv(self._handle(), items, block, par))
+        return r.submit(r.engine.readv(self._handle(), items, *self._params()))
 
     def pwrite_many(self, items: Iterable[tuple[Any, int]]) -> Awaitable[int]:
         """Write each (buffer, offset) pair; one future for the whole batch."""
         r = get_reactor()
-        block, par = self._params()
-        return r.submit(r.engine.writev(self._handle(), items, block, par))
+        return r.submit(r.engine.writev(self._handle(), items, *self._params()))
 
     def fsync(self) -> Awaitable[int]:
         """fsync on a worker thread (the loop keeps running)."""
@@ -372,20 +375,16 @@ class File:
     # -- blocking I/O (no event loop needed; waits with the GIL released) ----------
 
     def sync_pread(self, buf: Any, offset: int = 0) -> int:
-        block, par = self._params()
-        return _sync.run(_sync.thread_engine().read(self._handle(), buf, offset, block, par))
+        return _sync.run(_sync.thread_engine().read(self._handle(), buf, offset, *self._params()))
 
     def sync_pwrite(self, buf: Any, offset: int = 0) -> int:
-        block, par = self._params()
-        return _sync.run(_sync.thread_engine().write(self._handle(), buf, offset, block, par))
+        return _sync.run(_sync.thread_engine().write(self._handle(), buf, offset, *self._params()))
 
     def sync_pread_many(self, items: Iterable[tuple[Any, int]]) -> int:
-        block, par = self._params()
-        return _sync.run(_sync.thread_engine().readv(self._handle(), items, block, par))
+        return _sync.run(_sync.thread_engine().readv(self._handle(), items, *self._params()))
 
     def sync_pwrite_many(self, items: Iterable[tuple[Any, int]]) -> int:
-        block, par = self._params()
-        return _sync.run(_sync.thread_engine().writev(self._handle(), items, block, par))
+        return _sync.run(_sync.thread_engine().writev(self._handle(), items, *self._params()))
 
     def sync_fsync(self) -> None:
         _sync.run(_sync.thread_engine().fsync(self._handle(), False))
@@ -433,11 +432,13 @@ def open(
     return File(path, mode, direct=direct, block_size=block_size, parallelism=parallelism)
 
 
-def _params(block_size: int | str | None, parallelism: int | None) -> tuple[int, int]:
+def _params(block_size: int | str | None, parallelism: int | None) -> tuple[int, int, int]:
     s = defaults.settings
+    mode = (MODE_SINGLE_SUBMIT if s.single_submit else 0) | (0 if s.overlap_events else MODE_NO_OVERLAP)
     return (
         defaults.parse_size(block_size) if block_size is not None else s.block_size,
         parallelism if parallelism is not None else s.max_inflight,
+        mode,
     )
 
 
