@@ -50,6 +50,7 @@ FS_NAMES = {
 _MEMORY_FS = {0x01021994, 0x858458F6}
 _DEFAULT_ALIGN = 4096  # when the kernel does not say: safe for every device we know
 _BLKSSZGET = 0x1268
+_NO_PREP = (1 << 63) - 1
 
 _MODES = {
     # mode: (flags, readable, writable). Writers open O_RDWR so partial blocks
@@ -179,12 +180,15 @@ def _inode_for(st: dict[str, Any]) -> Inode:
     """The Inode shared by every open of this file, its size hint refreshed
     (ext4 reuses inode numbers: a registry entry can outlive its file)."""
     key = (st["dev"], st["ino"])
+    # A block device cannot grow (fallocate mode 0 is EINVAL there) and statx
+    # says size 0: a hint of "huge" keeps the engine from preparing writes.
+    size = _NO_PREP if stat.S_ISBLK(st["mode"]) else st["size"]
     inode = _inodes.get(key)
     if inode is None:
-        inode = Inode(st["size"])
+        inode = Inode(size)
         _inodes[key] = inode
     else:
-        inode.observe(st["size"])
+        inode.observe(size)
     return inode
 
 
