@@ -96,7 +96,7 @@ cdef int64_t _job_rmw(Chunk *ch) noexcept nogil:
             else:
                 uend = ch.foff + ch.uskip + ch.ulen
                 want = size0 if size0 > uend else uend
-                if ch.foff + ch.len > want:
+                if ch.foff + ch.len > want and S_ISREG(st.st_mode):   # devices have no size to fix
                     if ftruncate(ch.fd, want) != 0:
                         res = -errno
                 if want > ino.known_size:
