@@ -1,0 +1,441 @@
+#!/usr/bin/env python3
+"""aionvme side by side with fio and the Python alternatives, in one run.
+
+For each repetition every tool runs once, in turn, on the same files, so a
+ratio compares figures taken minutes apart on the same machine, not on
+different days. fio (O_DIRECT, libaio and io_uring) is the device's practical
+ceiling: for sequential reads a small bs x iodepth sweep, the best point of
+each repetition. Reported figures are medians over repetitions; ratios are
+computed per repetition, then their median is taken.
+
+    python3 bench/compare.py                       # 1 GiB, 3 repetitions, temp dir on a local disk
+    python3 bench/compare.py --size 256M --repeat 1 --quick
+    python3 bench/compare.py --json results.json --markdown results.md
+
+Baselines:
+  fio             libaio and io_uring engines, O_DIRECT (needs fio in PATH)
+  threadpool      os.preadv/pwritev through asyncio.to_thread, O_DIRECT fd, aligned buffers
+  aiofiles        aiofiles (thread pool, buffered, page cache dropped before each run when root)
+  caio            caio's linux_aio context (returns copies; buffered fd: it cannot align buffers)
+  numpy.fromfile  one call for the whole file (buffered)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+from aionvme import benchmark as B
+from aionvme.cli._common import drop_caches, local_scratch_dir
+from aionvme.defaults import parse_size
+
+REQ = 64 << 20
+
+
+# -- fio ---------------------------------------------------------------------------------
+
+
+def fio(path: str, rw: str, bs: str, iodepth: int, engine: str, size: int, **extra: Any) -> dict[str, float]:
+    cmd = [
+        "fio",
+        "--name=job",
+        f"--filename={path}",
+        f"--rw={rw}",
+        f"--bs={bs}",
+        f"--iodepth={iodepth}",
+        f"--ioengine={engine}",
+        "--direct=1",
+        f"--size={size}",
+        "--output-format=json",
+        "--thread",
+    ] + [f"--{k}={v}" for k, v in extra.items()]
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    wall = time.perf_counter() - t0
+    job = json.loads(out.stdout[out.stdout.index("{") :])["jobs"][0]
+    side = job["read"] if rw in ("read", "randread") else job["write"]
+    runtime = side["runtime"] / 1000.0
+    ios = side["total_ios"]
+    cpu = (job["usr_cpu"] + job["sys_cpu"]) / 100.0 * runtime
+    return dict(
+        mb_s=side["bw_bytes"] / 1e6,
+        iops=side["iops"],
+        runtime_s=runtime,
+        wall_s=wall,
+        cpu_s=cpu,
+        cpu_us_per_op=cpu / ios * 1e6 if ios else 0.0,
+        cpu_s_per_gib=cpu / (side["io_bytes"] / 2**30) if side["io_bytes"] else 0.0,
+    )
+
+
+# -- Python baselines ------------------------------------------------------------------------
+
+
+def _aligned_touched(n: int) -> np.ndarray:
+    from aionvme import empty
+
+    b = empty(n)
+    b[::4096] = 1
+    return b
+
+
+async def threadpool_seqread(path: str, size: int) -> dict[str, float]:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    buf = _aligned_touched(size)
+    try:
+        t0 = time.perf_counter()
+        c0 = time.process_time()
+        got = await asyncio.gather(
+            *(asyncio.to_thread(os.preadv, fd, [buf[o : o + REQ]], o) for o in range(0, size, REQ))
+        )
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    finally:
+        os.close(fd)
+    if sum(got) != size:
+        raise RuntimeError("threadpool: short read")
+    return dict(mb_s=size / wall / 1e6, cpu_s_per_gib=cpu / (size / 2**30))
+
+
+async def threadpool_seqwrite(path: str, size: int) -> dict[str, float]:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    buf = _aligned_touched(size)
+    try:
+        t0 = time.perf_counter()
+        c0 = time.process_time()
+        await asyncio.gather(
+            *(asyncio.to_thread(os.pwritev, fd, [buf[o : o + REQ]], o) for o in range(0, size, REQ))
+        )
+        await asyncio.to_thread(os.fsync, fd)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    finally:
+        os.close(fd)
+    return dict(mb_s=size / wall / 1e6, cpu_s_per_gib=cpu / (size / 2**30))
+
+
+async def threadpool_randread(path: str, ops: int, iodepth: int) -> dict[str, float]:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    offs = B._random_offsets(ops, os.path.getsize(path), 4096).tolist()
+    bufs = _aligned_touched(iodepth * 4096).reshape(iodepth, 4096)
+
+    async def worker(k: int) -> None:
+        b = bufs[k]
+        for i in range(k, ops, iodepth):
+            await asyncio.to_thread(os.preadv, fd, [b], offs[i])
+
+    try:
+        t0 = time.perf_counter()
+        c0 = time.process_time()
+        await asyncio.gather(*(worker(k) for k in range(iodepth)))
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    finally:
+        os.close(fd)
+    return dict(iops=ops / wall, cpu_us_per_op=cpu / ops * 1e6)
+
+
+async def aiofiles_seqread(path: str, size: int) -> dict[str, float]:
+    import aiofiles
+
+    buf = _aligned_touched(size)
+
+    async def one(o: int) -> int:
+        async with aiofiles.open(path, "rb", buffering=0) as f:
+            await f.seek(o)
+            n: int = await f.readinto(memoryview(buf)[o : o + REQ])
+            return n
+
+    t0 = time.perf_counter()
+    c0 = time.process_time()
+    got = await asyncio.gather(*(one(o) for o in range(0, size, REQ)))
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    if sum(got) != size:
+        raise RuntimeError("aiofiles: short read")
+    return dict(mb_s=size / wall / 1e6, cpu_s_per_gib=cpu / (size / 2**30))
+
+
+async def aiofiles_randread(path: str, ops: int, iodepth: int) -> dict[str, float]:
+    import aiofiles
+
+    offs = B._random_offsets(ops, os.path.getsize(path), 4096).tolist()
+
+    async def worker(k: int) -> None:
+        async with aiofiles.open(path, "rb", buffering=0) as f:
+            for i in range(k, ops, iodepth):
+                await f.seek(offs[i])
+                await f.read(4096)
+
+    t0 = time.perf_counter()
+    c0 = time.process_time()
+    await asyncio.gather(*(worker(k) for k in range(iodepth)))
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return dict(iops=ops / wall, cpu_us_per_op=cpu / ops * 1e6)
+
+
+def _caio_context(n: int) -> Any:
+    from caio.linux_aio_asyncio import AsyncioContext
+
+    return AsyncioContext(max_requests=n)
+
+
+async def caio_seqread(path: str, size: int) -> dict[str, float]:
+    ctx = _caio_context(128)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        t0 = time.perf_counter()
+        c0 = time.process_time()
+        got = await asyncio.gather(*(ctx.read(min(REQ, size - o), fd, o) for o in range(0, size, REQ)))
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    finally:
+        os.close(fd)
+        ctx.close()
+    if sum(len(g) for g in got) != size:
+        raise RuntimeError("caio: short read")
+    return dict(mb_s=size / wall / 1e6, cpu_s_per_gib=cpu / (size / 2**30))
+
+
+async def caio_randread(path: str, ops: int, iodepth: int) -> dict[str, float]:
+    ctx = _caio_context(iodepth)
+    fd = os.open(path, os.O_RDONLY)
+    offs = B._random_offsets(ops, os.path.getsize(path), 4096).tolist()
+
+    async def worker(k: int) -> None:
+        for i in range(k, ops, iodepth):
+            await ctx.read(4096, fd, offs[i])
+
+    try:
+        t0 = time.perf_counter()
+        c0 = time.process_time()
+        await asyncio.gather(*(worker(k) for k in range(iodepth)))
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    finally:
+        os.close(fd)
+        ctx.close()
+    return dict(iops=ops / wall, cpu_us_per_op=cpu / ops * 1e6)
+
+
+def numpy_fromfile(path: str) -> dict[str, float]:
+    size = os.path.getsize(path)
+    t0 = time.perf_counter()
+    c0 = time.process_time()
+    a = np.fromfile(path, dtype=np.uint8)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    if a.nbytes != size:
+        raise RuntimeError("numpy.fromfile: short read")
+    return dict(mb_s=size / wall / 1e6, cpu_s_per_gib=cpu / (size / 2**30))
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+def _run(coro_fn: Callable[[], Awaitable[Any]], loop: str) -> Any:
+    if loop == "uvloop":
+        import uvloop
+
+        return uvloop.run(coro_fn())
+    return asyncio.run(coro_fn())
+
+
+def _fresh(buffered: bool) -> None:
+    if buffered and os.geteuid() == 0:
+        drop_caches()
+
+
+def _ours(r: B.Result) -> dict[str, float]:
+    s = r.summary()
+    if not s["verified"]:
+        raise RuntimeError(f"aionvme {s['workload']}: data mismatch")
+    return {
+        k: s[k]
+        for k in ("mb_s", "iops", "cpu_s_per_gib", "cpu_us_per_op", "p50_us", "p99_us", "max_stall_ms")
+    }
+
+
+def one_repetition(args: argparse.Namespace, d: str) -> dict[str, dict[str, float]]:
+    size, ops, qd = args.size, args.ops, args.iodepth
+    path = os.path.join(d, "read.bin")
+    wpath = os.path.join(d, "write.bin")
+    B.make_file(path, size)
+    res: dict[str, dict[str, float]] = {}
+    have_fio = shutil.which("fio") is not None
+    have = {m: _importable(m) for m in ("aiofiles", "caio")}
+
+    # sequential read ---------------------------------------------------------------
+    if have_fio:
+        grid = [("1M", 32)] if args.quick else [(bs, q) for bs in ("256k", "1M", "4M") for q in (8, 32)]
+        for eng in ("libaio", "io_uring"):
+            for bs, q in grid:
+                res[f"seqread/fio {eng} bs={bs} qd={q}"] = fio(path, "read", bs, q, eng, size)
+    for loop in args.loops:
+        res[f"seqread/aionvme ({loop})"] = _ours(_run(lambda: B.seqread(path), loop))
+    res["seqread/aionvme unaligned (uvloop)"] = _ours(_run(lambda: B.seqread(path, misalign=4104), "uvloop"))
+    res["seqread/threadpool preadv O_DIRECT"] = _run(lambda: threadpool_seqread(path, size), "asyncio")
+    if have["aiofiles"]:
+        _fresh(True)
+        res["seqread/aiofiles (buffered)"] = _run(lambda: aiofiles_seqread(path, size), "asyncio")
+    if have["caio"]:
+        _fresh(True)
+        res["seqread/caio linux_aio (buffered)"] = _run(lambda: caio_seqread(path, size), "asyncio")
+    _fresh(True)
+    res["seqread/numpy.fromfile (buffered)"] = numpy_fromfile(path)
+
+    # sequential write (fresh file + fsync) -----------------------------------------------
+    if have_fio:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(wpath)
+        res["seqwrite/fio libaio bs=1M qd=32"] = fio(wpath, "write", "1M", 32, "libaio", size, end_fsync=1)
+    res["seqwrite/aionvme (uvloop)"] = _ours(_run(lambda: B.seqwrite(wpath, size), "uvloop"))
+    res["seqwrite/threadpool pwritev O_DIRECT"] = _run(lambda: threadpool_seqwrite(wpath, size), "asyncio")
+
+    # 4 KiB random reads -----------------------------------------------------------------------
+    if have_fio:
+        for eng in ("libaio", "io_uring"):
+            res[f"randread/fio {eng} qd={qd}"] = fio(
+                path, "randread", "4k", qd, eng, size, io_size=ops * 4096
+            )
+    for loop in args.loops:
+        res[f"randread/aionvme batch ({loop})"] = _ours(
+            _run(lambda: B.randread(path, ops=ops, iodepth=qd, mode="batch"), loop)
+        )
+        res[f"randread/aionvme gather ({loop})"] = _ours(
+            _run(lambda: B.randread(path, ops=ops, iodepth=qd, mode="gather"), loop)
+        )
+    small = max(2000, ops // 10)  # the slow baselines get fewer operations
+    res["randread/threadpool preadv O_DIRECT"] = _run(lambda: threadpool_randread(path, small, qd), "asyncio")
+    if have["aiofiles"]:
+        _fresh(True)
+        res["randread/aiofiles (buffered)"] = _run(lambda: aiofiles_randread(path, small, qd), "asyncio")
+    if have["caio"]:
+        _fresh(True)
+        res["randread/caio linux_aio (buffered)"] = _run(lambda: caio_randread(path, small, qd), "asyncio")
+    return res
+
+
+def _importable(name: str) -> bool:
+    try:
+        __import__(name)
+        return True
+    except ImportError:
+        return False
+
+
+def summarize(reps: list[dict[str, dict[str, float]]]) -> list[dict[str, Any]]:
+    rows = []
+    for key in reps[0]:
+        workload, tool = key.split("/", 1)
+        metric = "iops" if workload == "randread" else "mb_s"
+        vals = [r[key][metric] for r in reps if key in r]
+        ratios = []
+        for r in reps:
+            ceiling = _fio_ref(r, workload, metric)
+            if ceiling and key in r:
+                ratios.append(r[key][metric] / ceiling)
+        row: dict[str, Any] = dict(
+            workload=workload,
+            tool=tool,
+            metric=metric,
+            median=statistics.median(vals),
+            runs=len(vals),
+            ratio_to_fio=statistics.median(ratios) if ratios else None,
+        )
+        for extra in ("cpu_s_per_gib", "cpu_us_per_op", "p99_us", "max_stall_ms"):
+            xs = [r[key][extra] for r in reps if key in r and extra in r[key]]
+            if xs:
+                row[extra] = max(xs) if extra == "max_stall_ms" else statistics.median(xs)
+        rows.append(row)
+    return rows
+
+
+def _fio_ref(rep: dict[str, dict[str, float]], workload: str, metric: str) -> float | None:
+    """The fio figure a workload is compared with in one repetition (the
+    issue's targets): the best point of the libaio and io_uring sweep for
+    seqread; fio libaio for seqwrite (bs 1M, QD 32) and randread (4 KiB, QD 64)."""
+    prefix = f"{workload}/fio" if workload == "seqread" else f"{workload}/fio libaio"
+    cands = [v[metric] for k, v in rep.items() if k.startswith(prefix)]
+    return max(cands) if cands else None
+
+
+def markdown(rows: list[dict[str, Any]], header: str) -> str:
+    out = [
+        header,
+        "",
+        "| workload | tool | median | vs fio | CPU | p99 µs | worst stall ms |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        unit = "IOPS" if r["metric"] == "iops" else "MB/s"
+        cpu = (
+            f"{r['cpu_us_per_op']:.1f} µs/op"
+            if r["metric"] == "iops" and "cpu_us_per_op" in r
+            else f"{r['cpu_s_per_gib']:.3f} s/GiB"
+            if "cpu_s_per_gib" in r
+            else ""
+        )
+        ratio = f"{r['ratio_to_fio']:.2f}x" if r["ratio_to_fio"] is not None else ""
+        p99 = f"{r['p99_us']:,.0f}" if r.get("p99_us") else ""
+        stall = f"{r['max_stall_ms']:.0f}" if "max_stall_ms" in r else ""
+        out.append(
+            f"| {r['workload']} | {r['tool']} | {r['median']:,.0f} {unit} | {ratio} | {cpu} | "
+            f"{p99} | {stall} |"
+        )
+    return "\n".join(out)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="1G")
+    p.add_argument("--ops", type=int, default=100_000, help="4 KiB random reads per run (100000)")
+    p.add_argument("--iodepth", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--loops", default="uvloop,asyncio")
+    p.add_argument("--dir", default=None)
+    p.add_argument("--quick", action="store_true", help="one fio point per engine instead of the sweep")
+    p.add_argument("--json", default=None, help="write all figures to this file")
+    p.add_argument("--markdown", default=None, help="write the table to this file")
+    args = p.parse_args()
+    args.size = parse_size(args.size)
+    args.loops = [x for x in args.loops.split(",") if x]
+    if shutil.which("fio") is None:
+        print("fio is not installed: ratios cannot be computed (apt-get install fio)", file=sys.stderr)
+    d = tempfile.mkdtemp(prefix="aionvme-compare-", dir=args.dir or local_scratch_dir())
+    reps = []
+    try:
+        for i in range(args.repeat):
+            t0 = time.perf_counter()
+            reps.append(one_repetition(args, d))
+            print(f"repetition {i + 1}/{args.repeat}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    rows = summarize(reps)
+    header = (
+        f"{time.strftime('%Y-%m-%d')}, {platform.node()}: {os.cpu_count()} CPUs, kernel "
+        f"{platform.release()}, file {args.size >> 20} MiB, {args.ops} random reads at QD "
+        f"{args.iodepth}, {args.repeat} repetitions (medians; stall: worst)"
+    )
+    table = markdown(rows, header)
+    print(table)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(header=header, rows=rows, repetitions=reps), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
