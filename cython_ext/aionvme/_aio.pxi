@@ -566,6 +566,19 @@ cdef class Engine:
             return []
         return self._collect()
 
+    def flush(self):
+        """Generate and submit what is queued, without reaping: the cheap half
+        of pump() for right after requests were queued. Returns the requests
+        that finished meanwhile (cancelled before submission, or empty)."""
+        if self.closed or self.abandoned:
+            return []
+        with nogil:
+            self._generate()
+            self._submit()
+        if self.done_head == NULL:
+            return []
+        return self._collect()
+
     def wait(self, double timeout=-1.0):
         """Block (GIL released) until the eventfd signals or timeout seconds pass."""
         cdef pollfd pfd

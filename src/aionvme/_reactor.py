@@ -99,25 +99,38 @@ class Reactor:
         return fut
 
     def _flush(self) -> None:
+        # Requests queued during this loop iteration go to the kernel together.
         self._scheduled = False
-        self._pump()
-
-    def _pump(self) -> None:
         eng = self.engine
-        finished = eng.pump()
-        if eng.more and not self._scheduled:
-            # The submit budget stopped this pump: continue next iteration,
-            # after the loop has run what else is ready.
-            self._scheduled = True
-            self.loop.call_soon(self._flush)
+        finished = eng.flush()
+        if eng.more:
+            self._schedule()
         if finished:
             self._deliver(finished)
 
-    def _cancel(self, req: Request) -> None:
-        self.engine.cancel(req)
+    def _pump(self) -> None:
+        # The eventfd is readable: reap everything, refill, resolve futures.
+        eng = self.engine
+        finished = eng.pump()
+        if finished:
+            self._deliver(finished)
+            # Scheduled after the wakeups of the tasks just resolved, so the
+            # requests they make next are submitted later in that same loop
+            # iteration instead of one iteration after: keeps more in flight.
+            self._schedule()
+        elif eng.more:
+            # The submit budget stopped this pump: continue next iteration,
+            # after the loop has run what else is ready.
+            self._schedule()
+
+    def _schedule(self) -> None:
         if not self._scheduled:
             self._scheduled = True
             self.loop.call_soon(self._flush)
+
+    def _cancel(self, req: Request) -> None:
+        self.engine.cancel(req)
+        self._schedule()
 
     def _deliver(self, finished: list[Request]) -> None:
         for req in finished:
@@ -187,22 +200,21 @@ def _hook_close(loop: asyncio.AbstractEventLoop) -> None:
         loop._aionvme_close_hooked = True  # type: ignore[attr-defined]
 
 
-def _running_loop_fast() -> asyncio.AbstractEventLoop | None:
-    # While a loop runs, both asyncio and uvloop install their async-generator
-    # hooks in this thread's state, as bound methods of the loop. Reading them
-    # back identifies the running loop without asyncio.get_running_loop(),
-    # which on Python < 3.12 makes a getpid() syscall per call. Anything
-    # unexpected returns None and the caller asks asyncio.
-    owner = getattr(sys.get_asyncgen_hooks().firstiter, "__self__", None)
-    return owner if isinstance(owner, asyncio.AbstractEventLoop) else None
-
-
 def get_reactor(loop: asyncio.AbstractEventLoop | None = None) -> Reactor:
     """The reactor of loop (default: the running loop), created on first use."""
     if loop is None:
-        loop = _running_loop_fast() if _FAST_LOOKUP else None
-        if loop is None:
-            loop = asyncio.get_running_loop()
+        if _FAST_LOOKUP:
+            # While a loop runs, asyncio and uvloop both install their
+            # async-generator hooks in this thread's state, as bound methods
+            # of the loop: the owner of the hook is the running loop, found
+            # without asyncio.get_running_loop(), which on Python < 3.12 makes
+            # a getpid() syscall per call. Only loops carry our attribute, so
+            # anything unexpected falls through to asyncio.
+            owner = getattr(sys.get_asyncgen_hooks().firstiter, "__self__", None)
+            cached: Reactor | None = getattr(owner, _ATTR, None)
+            if cached is not None and cached.pid == _pid and not cached.closed:
+                return cached
+        loop = asyncio.get_running_loop()
     r: Reactor | None = getattr(loop, _ATTR, None)
     if r is not None and not r.closed and r.pid == _pid:
         return r

@@ -436,14 +436,26 @@ def open(
     return File(path, mode, direct=direct, block_size=block_size, parallelism=parallelism)
 
 
+_params_cache: tuple[object, tuple[int, int, int]] = (None, (0, 0, 0))
+
+
 def _params(block_size: int | str | None, parallelism: int | None) -> tuple[int, int, int]:
+    """(chunk size, chunks in flight per request, engine mode bits) for a call."""
+    global _params_cache
     s = defaults.settings
+    if block_size is None and parallelism is None:
+        cached_for, p = _params_cache
+        if cached_for is s:  # defaults.set() replaces the object: identity is enough
+            return p
     mode = (MODE_SINGLE_SUBMIT if s.single_submit else 0) | (0 if s.overlap_events else MODE_NO_OVERLAP)
-    return (
+    p = (
         defaults.parse_size(block_size) if block_size is not None else s.block_size,
         parallelism if parallelism is not None else s.max_inflight,
         mode,
     )
+    if block_size is None and parallelism is None:
+        _params_cache = (s, p)
+    return p
 
 
 def pread(
