@@ -484,6 +484,7 @@ cdef class Engine:
         if self.closed or self.abandoned:
             raise _exc.EngineClosedError("the I/O engine is closed")
         Py_INCREF(req)
+        req.engine = self
         req.c.flags |= RF_QUEUED
         _list_append(&self.pend_head, &self.pend_tail, &req.c)
         req.file.active += 1

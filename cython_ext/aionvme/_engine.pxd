@@ -175,6 +175,9 @@ cdef class FileHandle:
     cdef int _close_fd(self) except -1
 
 
+cdef class Engine
+
+
 cdef class Request:
     cdef ReqC c
     cdef Seg seg0
@@ -183,14 +186,18 @@ cdef class Request:
     cdef int nviews
     cdef list keep
     cdef readonly FileHandle file
+    cdef readonly Engine engine          # set when queued
     cdef public object future
     cdef public object callback
+    cdef public bint cancel_requested    # the awaiting side asked to cancel (see the reactor)
+    cdef public object cancel_msg
     cdef int _add_segment(self, object buf, object offset, bint writable) except -1
     cdef void _release(self) noexcept
 
 
 cdef class Engine:
     cdef object __weakref__
+    cdef public object owner             # whoever pumps this engine (a Reactor), for cancellation
     cdef aio_context_t ctx
     cdef readonly bint use_aio
     cdef readonly object aio_error     # why kernel AIO is off (OSError), or None

@@ -11,6 +11,7 @@ MODE_SINGLE_SUBMIT: int
 MODE_NO_OVERLAP: int
 
 def open_handles() -> int: ...
+def deliver(finished: list[Request], cancel_future: Any) -> None: ...
 def fstatx(fd: int) -> dict[str, Any]: ...
 def fs_type(fd: int) -> int: ...
 def aio_probe() -> OSError | None: ...
@@ -77,8 +78,11 @@ class FileHandle:
 @disjoint_base
 class Request:
     file: FileHandle
+    engine: Engine
     future: Any
     callback: Any
+    cancel_requested: bool
+    cancel_msg: Any
     @property
     def nbytes(self) -> int: ...
     @property
@@ -95,6 +99,7 @@ class Request:
 
 @disjoint_base
 class Engine:
+    owner: Any
     use_aio: bool
     aio_error: OSError | None
     efd: int

@@ -24,7 +24,7 @@ import weakref
 from typing import Any
 
 from . import defaults
-from ._engine import Engine, Request
+from ._engine import Engine, Request, deliver
 from .exceptions import EngineClosedError
 
 __all__ = ["Reactor", "get_reactor", "new_engine"]
@@ -54,10 +54,7 @@ def new_engine(settings: defaults.Settings | None = None) -> Engine:
 class _IOFuture(asyncio.Future):  # type: ignore[type-arg]
     """A Future whose cancellation waits for the kernel to let go of the buffer."""
 
-    __slots__ = ("_aio_cancelling", "_aio_msg", "_aio_reactor", "_aio_req")
-    _aio_cancelling: bool
-    _aio_msg: Any
-    _aio_reactor: Reactor
+    __slots__ = ("_aio_req",)
     _aio_req: Request | None
 
     def cancel(self, msg: Any = None) -> bool:
@@ -66,10 +63,13 @@ class _IOFuture(asyncio.Future):  # type: ignore[type-arg]
         req = self._aio_req
         if req is None:
             return super().cancel(msg)
-        self._aio_cancelling = True
-        self._aio_msg = msg
-        self._aio_reactor._cancel(req)
+        req.cancel_requested = True
+        req.cancel_msg = msg
+        req.engine.owner._cancel(req)
         return True
+
+
+_future_cancel = asyncio.Future.cancel
 
 
 class Reactor:
@@ -79,6 +79,7 @@ class Reactor:
         self.loop = loop
         self.pid = _pid
         self.engine = new_engine(settings)
+        self.engine.owner = self
         self.closed = False
         self._scheduled = False
         self._fd = self.engine.fileno()
@@ -90,8 +91,6 @@ class Reactor:
         """Wrap a queued request in a future; its chunks go out this loop tick."""
         fut = _IOFuture(loop=self.loop)
         fut._aio_req = req
-        fut._aio_reactor = self
-        fut._aio_cancelling = False
         req.future = fut
         if not self._scheduled:
             self._scheduled = True
@@ -133,24 +132,7 @@ class Reactor:
         self._schedule()
 
     def _deliver(self, finished: list[Request]) -> None:
-        for req in finished:
-            fut = req.future
-            if fut is None:
-                continue
-            req.future = None
-            fut._aio_req = None
-            if fut.done():
-                continue
-            if fut._aio_cancelling:
-                asyncio.Future.cancel(fut, fut._aio_msg)
-            elif req.ok:
-                fut.set_result(req.nbytes)
-            else:
-                fut.set_exception(req.exception())
-            cb = req.callback
-            if cb is not None:
-                req.callback = None
-                cb(req)
+        deliver(finished, _future_cancel)
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -170,7 +152,7 @@ class Reactor:
             return
         for req in finished:
             fut = req.future
-            if fut is not None and not fut.done() and req.cancelled and not fut._aio_cancelling:
+            if fut is not None and not fut.done() and req.cancelled and not req.cancel_requested:
                 req.future = None
                 fut._aio_req = None
                 fut.set_exception(EngineClosedError("the aionvme runtime of this loop was closed"))
