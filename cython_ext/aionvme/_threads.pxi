@@ -47,6 +47,11 @@ cdef int64_t _job_prep(Chunk *ch) noexcept nogil:
     pthread_mutex_lock(&ino.lock)
     if fstat(ch.fd, &st) != 0:
         res = -errno
+    elif not S_ISREG(st.st_mode):
+        # a block device: its size is fixed and st_size is 0; there is nothing
+        # to allocate (writes past its end fail by themselves)
+        if end > ino.known_size:
+            ino.known_size = end
     elif end > st.st_size:
         start = ch.foff if ch.foff > st.st_size else st.st_size
         if fallocate(ch.fd, 0, start, end - start) != 0:
@@ -99,7 +104,7 @@ cdef int64_t _job_rmw(Chunk *ch) noexcept nogil:
                 res = r
             elif r < ch.len:
                 res = r   # short write: reported by the completion
-            else:
+            elif S_ISREG(st.st_mode):   # (a block device has no size to trim)
                 uend = ch.foff + ch.uskip + ch.ulen
                 want = size0 if size0 > uend else uend
                 if ch.foff + ch.len > want:

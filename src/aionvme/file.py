@@ -131,7 +131,9 @@ def open_handle(
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
         fst = fs_type(fd)  # not cached by st_dev: mounts reuse anonymous device numbers
         align, mem_align = st["dio_offset_align"], st["dio_mem_align"]
-        if is_direct and fst in _MEMORY_FS:
+        # f_type of a block device node is its directory's filesystem
+        # (devtmpfs says tmpfs): only regular files live on a memory fs.
+        if is_direct and stat.S_ISREG(mode) and fst in _MEMORY_FS:
             # tmpfs takes O_DIRECT but copies inside io_submit: serve it from
             # the worker pool, buffered, where any alignment is fine.
             reopened = _os_open(path, flags & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC))

@@ -65,7 +65,9 @@ cdef extern from "<fcntl.h>" nogil:
 cdef extern from "<sys/stat.h>" nogil:
     struct stat:
         long st_size
+        unsigned int st_mode
     int fstat(int fd, stat *buf)
+    bint S_ISREG(unsigned int mode)
 
 
 cdef extern from "<sys/vfs.h>" nogil:
