@@ -58,7 +58,7 @@ def shutdown_fs(request: pytest.FixtureRequest, loopfs: Callable[..., LoopFS]) -
 class FaultFS:
     """A mounted faultfs (faultfs.c): passthrough to ``backing`` with faults.
 
-    ``set(delay_us=, eio=(start, end), short=)`` changes them while mounted.
+    ``set(delay_us=, eio=(start, end))`` changes them while mounted.
     """
 
     def __init__(self, binary: Path, backing: Path, mnt: Path) -> None:
@@ -83,8 +83,8 @@ class FaultFS:
             time.sleep(0.01)
         pytest.fail("faultfs did not appear as a mount")
 
-    def set(self, delay_us: int = 0, eio: tuple[int, int] = (-1, -1), short: int = 0) -> None:
-        (self.backing / ".faultfs-control").write_text(f"{delay_us} {eio[0]} {eio[1]} {short}\n")
+    def set(self, delay_us: int = 0, eio: tuple[int, int] = (-1, -1)) -> None:
+        (self.backing / ".faultfs-control").write_text(f"{delay_us} {eio[0]} {eio[1]}\n")
         # a lookup of /.reload makes the daemon re-read the control file
         assert not (self.mnt / ".reload").exists()
 

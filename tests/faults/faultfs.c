@@ -1,18 +1,19 @@
 /* faultfs: a FUSE passthrough filesystem that injects faults, for aionvme's
  * fault tests. Every file in the mount is the file of the same name in the
  * backing directory; reads and writes can be made slow, fail with EIO inside a
- * byte range, or return short counts.
+ * byte range.
  *
  *   faultfs BACKING MOUNTPOINT [-f] [-o ...] [--delay-us=N] [--eio-start=A --eio-end=B]
- *           [--short=N]
  *
  *   --delay-us=N   sleep N microseconds in every read and write
  *   --eio-start/--eio-end
  *                  reads and writes that touch [A, B) fail with EIO
- *   --short=N      a read returns at most N bytes (a short count, not EOF)
  *
- * Faults can be changed while mounted by writing "delay_us eio_start eio_end
- * short\n" to BACKING/.faultfs-control and then stat()ing MOUNTPOINT/.reload.
+ * Faults can be changed while mounted by writing "delay_us eio_start eio_end\n" to BACKING/.faultfs-control and then stat()ing MOUNTPOINT/.reload.
+ *
+ * (No short-read fault: FUSE's contract is that a short answer means EOF, and
+ * the kernel pads the page cache with zeros after one, so a daemon answering
+ * short mid-file hands every reader zeros as data; nothing to test there.)
  *
  * Build: gcc -O2 -Wall faultfs.c $(pkg-config --cflags --libs fuse3) -o faultfs
  */
@@ -38,10 +39,9 @@ struct options {
     long delay_us;
     long long eio_start;
     long long eio_end;
-    long short_max;
 };
 
-static struct options opt = {NULL, 0, -1, -1, 0};
+static struct options opt = {NULL, 0, -1, -1};
 static int backing_fd = -1;
 
 #define OPTION(t, p) {t, offsetof(struct options, p), 1}
@@ -49,7 +49,6 @@ static const struct fuse_opt option_spec[] = {
     OPTION("--delay-us=%ld", delay_us),
     OPTION("--eio-start=%lld", eio_start),
     OPTION("--eio-end=%lld", eio_end),
-    OPTION("--short=%ld", short_max),
     FUSE_OPT_END,
 };
 
@@ -63,13 +62,12 @@ static void reload(void) {
     if (n <= 0)
         return;
     buf[n] = 0;
-    long d, s;
+    long d;
     long long a, b;
-    if (sscanf(buf, "%ld %lld %lld %ld", &d, &a, &b, &s) == 4) {
+    if (sscanf(buf, "%ld %lld %lld", &d, &a, &b) == 3) {
         __atomic_store_n(&opt.delay_us, d, __ATOMIC_RELAXED);
         __atomic_store_n(&opt.eio_start, a, __ATOMIC_RELAXED);
         __atomic_store_n(&opt.eio_end, b, __ATOMIC_RELAXED);
-        __atomic_store_n(&opt.short_max, s, __ATOMIC_RELAXED);
     }
 }
 
@@ -161,9 +159,6 @@ static int ff_read(const char *path, char *buf, size_t size, off_t off, struct f
     delay();
     if (in_eio_range(off, size))
         return -EIO;
-    long s = __atomic_load_n(&opt.short_max, __ATOMIC_RELAXED);
-    if (s > 0 && size > (size_t)s)
-        size = (size_t)s;
     ssize_t r = pread((int)fi->fh, buf, size, off);
     return r < 0 ? -errno : (int)r;
 }
