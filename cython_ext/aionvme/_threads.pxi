@@ -6,6 +6,9 @@
 
 cdef inline int64_t _full_pread(int fd, char *buf, int64_t n, int64_t off) noexcept nogil:
     # Loops over short counts; stops at EOF. Returns bytes read or -errno.
+    # An error after a partial count is still an error: reported as a short
+    # count it would read as "the file ends here" (and a read-modify-write
+    # would zero-fill the bytes it could not read and write them back).
     cdef int64_t done = 0
     cdef ssize_t r
     while done < n:
@@ -13,7 +16,7 @@ cdef inline int64_t _full_pread(int fd, char *buf, int64_t n, int64_t off) noexc
         if r < 0:
             if errno == EINTR:
                 continue
-            return -errno if done == 0 else done
+            return -errno
         if r == 0:
             break
         done += r
