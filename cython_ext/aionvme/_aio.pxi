@@ -54,9 +54,14 @@ cdef class Engine:
         False forces the worker pool for everything (the fallback engine).
     ring_reap : bool
         Reap completions from the mmapped AIO ring instead of io_getevents.
+    aio_nr : int
+        nr_events for io_setup (0: queue_depth). Smaller than queue_depth, the
+        kernel context fills before the engine does and io_submit answers
+        EAGAIN part way: for tests of that path.
     """
 
-    def __cinit__(self, int queue_depth=128, int threads=8, bint use_aio=True, bint ring_reap=True):
+    def __cinit__(self, int queue_depth=128, int threads=8, bint use_aio=True, bint ring_reap=True,
+                  int aio_nr=0):
         cdef int32_t i
         cdef long rc
         cdef aionvme_aio_ring *ring
@@ -89,7 +94,7 @@ cdef class Engine:
         if use_aio:
             self.ctx = 0
             with nogil:
-                rc = syscall(SYS_io_setup, <unsigned>queue_depth, &self.ctx)
+                rc = syscall(SYS_io_setup, <unsigned>(aio_nr if aio_nr > 0 else queue_depth), &self.ctx)
             if rc < 0:
                 # ENOSYS (no CONFIG_AIO, gVisor), EPERM (seccomp), EAGAIN
                 # (fs.aio-max-nr exhausted): the worker pool serves everything.

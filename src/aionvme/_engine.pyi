@@ -108,7 +108,12 @@ class Engine:
     n_eagain: int
     n_ring_reaps: int
     def __new__(
-        cls, queue_depth: int = ..., threads: int = ..., use_aio: bool = ..., ring_reap: bool = ...
+        cls,
+        queue_depth: int = ...,
+        threads: int = ...,
+        use_aio: bool = ...,
+        ring_reap: bool = ...,
+        aio_nr: int = ...,
     ) -> Engine: ...
     def read(
         self,
