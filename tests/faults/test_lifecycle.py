@@ -79,6 +79,7 @@ def test_many_loops_in_many_threads_reading_and_writing(tmp_dir, make_file):
     def worker(k: int) -> None:
         wpath = str(tmp_dir / f"w{k}.bin")
         rng = np.random.default_rng(k)
+        leftovers = []
 
         async def main():
             barrier.wait(30)
@@ -95,7 +96,7 @@ def test_many_loops_in_many_threads_reading_and_writing(tmp_dir, make_file):
             await nvme.pread(back, wpath, k)
             assert np.array_equal(back, src)
             if k == 7:  # one thread closes its loop with a transfer still going
-                asyncio.ensure_future(nvme.pread(nvme.empty(16 * MiB), rpath, block_size="64K"))
+                leftovers.append(nvme.pread(nvme.empty(16 * MiB), rpath, block_size="64K"))
                 await asyncio.sleep(0.001)
             return _reactor.get_reactor()
 
