@@ -286,6 +286,7 @@ class File:
         self.mode = mode
         self.block_size = defaults.parse_size(block_size) if block_size is not None else None
         self.parallelism = parallelism
+        _check_params(self.block_size, parallelism)
         self._h, self.info = open_handle(path, flags, readable, writable, direct, owner=self)
         self.path = self._h.path
 
@@ -441,10 +442,23 @@ def open(
     return File(path, mode, direct=direct, block_size=block_size, parallelism=parallelism)
 
 
+def _check_params(block_size: int | None, parallelism: int | None) -> None:
+    """Per-call settings get the checks defaults.set() gives the defaults."""
+    if block_size is not None and block_size < 1:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if parallelism is not None:
+        if isinstance(parallelism, bool) or not isinstance(parallelism, int):
+            raise TypeError(f"parallelism must be an int, got {type(parallelism).__name__}")
+        if parallelism < 0:
+            raise ValueError(f"parallelism must be >= 0 (0: no cap), got {parallelism}")
+
+
 def _params(block_size: int | str | None, parallelism: int | None) -> tuple[int, int]:
     s = defaults.settings
+    block = defaults.parse_size(block_size) if block_size is not None else None
+    _check_params(block, parallelism)
     return (
-        defaults.parse_size(block_size) if block_size is not None else s.block_size,
+        block if block is not None else s.block_size,
         parallelism if parallelism is not None else s.max_inflight,
     )
 
