@@ -145,7 +145,7 @@ cdef class Request:
         s.offset = off
         if i == 0:
             self.c.pos = off
-        if off + n > self.c.end_max:
+        if n > 0 and off + n > self.c.end_max:   # an empty item extends nothing (like pwrite(2))
             self.c.end_max = off + n
         self.c.nsegs = i + 1
         return 0

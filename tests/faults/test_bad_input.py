@@ -248,3 +248,14 @@ async def test_bad_per_call_settings(victim):
         with pytest.raises((ValueError, TypeError)):
             nvme.defaults.set(**kw)
     assert unchanged()
+
+
+async def test_empty_writes_past_the_end_change_nothing(victim):
+    # pwrite(2) of 0 bytes never changes the file: not even its size.
+    path, unchanged = victim
+    empty = np.zeros(0, np.uint8)
+    assert await nvme.pwrite(empty, path, 1 << 30) == 0
+    assert await nvme.pwrite_many([(b"", 1 << 30), (empty, 10 << 20)], path) == 0
+    with nvme.open(path, "r+", direct=False) as f:
+        assert await f.pwrite(b"", 5 << 20) == 0
+    assert unchanged()
