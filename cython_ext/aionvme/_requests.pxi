@@ -28,6 +28,19 @@ cdef class Inode:
     def known_size(self):
         return self.c.known_size
 
+    def reset_size(self, long long size):
+        """Record the size the file has now (fstat at open, or after a truncate).
+
+        known_size must never exceed the real size: a write believed to stay
+        inside the file skips its preparation, and a read-modify-write that
+        then trims the file back can cut off another write's bytes. A file
+        shrinks behind our back when it is truncated, rewritten by another
+        program, or deleted and its inode number reused."""
+        with nogil:
+            pthread_mutex_lock(&self.c.lock)
+            self.c.known_size = size
+            pthread_mutex_unlock(&self.c.lock)
+
 
 cdef class FileHandle:
     """An open fd and the way the engine serves it.

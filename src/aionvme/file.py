@@ -170,16 +170,25 @@ def open_handle(
         else:
             align = mem_align = 1
             kind = WORKER_POOL
-        key = (st["dev"], st["ino"])
-        inode = _inodes.get(key)
-        if inode is None:
-            inode = Inode(st["size"])
-            _inodes[key] = inode
-        h = FileHandle(fd, name, kind, is_direct, readable, writable, align, mem_align, inode, owner)
+        h = FileHandle(fd, name, kind, is_direct, readable, writable, align, mem_align, _inode(st), owner)
     except BaseException:
         os.close(fd)
         raise
     return h, OpenInfo(is_direct, align, mem_align, fst, reason)
+
+
+def _inode(st: dict[str, Any]) -> Inode:
+    """The shared per-file state, its size hint set to the size fstat saw just
+    now: the file may have shrunk since (truncated, rewritten by another
+    program, or a new file that got a deleted one's inode number)."""
+    key = (st["dev"], st["ino"])
+    inode = _inodes.get(key)
+    if inode is None:
+        inode = Inode(st["size"])
+        _inodes[key] = inode
+    else:
+        inode.reset_size(st["size"])
+    return inode
 
 
 def _block_device_sector(fd: int) -> int:
@@ -225,11 +234,6 @@ def _handle_from_fd(fd: int) -> FileHandle:
             mem_align = mem_align or align
         else:
             align = mem_align = 1
-        key = (st["dev"], st["ino"])
-        inode = _inodes.get(key)
-        if inode is None:
-            inode = Inode(st["size"])
-            _inodes[key] = inode
         return FileHandle(
             dup,
             f"<fd {fd}>",
@@ -239,7 +243,7 @@ def _handle_from_fd(fd: int) -> FileHandle:
             acc in (os.O_WRONLY, os.O_RDWR),
             align,
             mem_align,
-            inode,
+            _inode(st),
         )
     except BaseException:
         os.close(dup)
@@ -319,6 +323,7 @@ class File:
             os.ftruncate(h.fd, size)
         except OSError as e:
             raise os_error(e.errno or errno.EIO, self.path, offset=size, op="ftruncate") from None
+        h.inode.reset_size(size)
 
     def _params(self) -> tuple[int, int]:
         s = defaults.settings
