@@ -4,22 +4,29 @@
 # writes, fsync, and everything when io_setup is refused. They finish a job
 # exactly as the kernel finishes an iocb: store res, then bump the eventfd.
 
+cdef int64_t _RESTART_ALIGN = 4096   # >= every O_DIRECT alignment we serve (file.py's default)
+
+
 cdef inline int64_t _full_pread(int fd, char *buf, int64_t n, int64_t off) noexcept nogil:
     # Loops over short counts; stops at EOF. Returns bytes read or -errno.
     # An error after a partial count is still an error: reported as a short
     # count it would read as "the file ends here" (and a read-modify-write
     # would zero-fill the bytes it could not read and write them back).
-    cdef int64_t done = 0
+    # After a short count each retry starts at the 4096-aligned position at
+    # or below what arrived (re-reading a few bytes): on an O_DIRECT fd a
+    # retry at the unaligned end of a short read gives EINVAL, not EOF.
+    cdef int64_t done = 0, at
     cdef ssize_t r
     while done < n:
-        r = pread(fd, buf + done, n - done, off + done)
+        at = done - done % _RESTART_ALIGN
+        r = pread(fd, buf + at, n - at, off + at)
         if r < 0:
             if errno == EINTR:
                 continue
             return -errno
-        if r == 0:
-            break
-        done += r
+        if at + r <= done:
+            break   # nothing new: the end of the file
+        done = at + r
     return done
 
 

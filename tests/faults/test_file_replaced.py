@@ -1,9 +1,14 @@
-"""Files that shrink behind aionvme's per-file size hint: rewritten by
-another program, truncated with File.truncate, or new files that got a
-deleted file's inode number. The hint lets a write that stays inside the file
-skip its preparation; a stale (too large) hint let two extending writes race,
-and the read-modify-write of one trimmed the file below the other's bytes
-(zeros where data was written: found by tests/test_property.py)."""
+"""Files that change size behind aionvme's back.
+
+Shrinking: rewritten by another program, truncated with File.truncate, or a
+new file that got a deleted file's inode number. The per-file size hint lets
+a write that stays inside the file skip its preparation; a stale (too large)
+hint let two extending writes race, and the read-modify-write of one trimmed
+the file below the other's bytes (zeros where data was written: found by
+tests/test_property.py).
+
+Growing: O_DIRECT reads at a moving end of file, where a short count is
+followed by more data."""
 
 from __future__ import annotations
 
@@ -94,3 +99,51 @@ async def test_new_file_with_a_reused_inode_number(tmp_dir, engine):
         del old
     if reused == 0:
         pytest.skip("the filesystem never reused an inode number here")
+
+
+async def test_reads_racing_a_growing_end_of_file(tmp_dir):
+    # O_DIRECT reads on the workers whose range straddles the end of a file
+    # that another writer keeps extending: a short count may be followed by
+    # more data. Never EINVAL from an unaligned retry; every byte that
+    # arrives is the file's.
+    import threading
+
+    path = str(tmp_dir / "grow.bin")
+    content = np.random.default_rng(4).integers(0, 256, 4 << 20, dtype=np.uint8)
+    start = 100_003
+    content[:start].tofile(path)
+    stop = threading.Event()
+
+    def grow() -> None:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            end = start
+            while not stop.is_set() and end < content.nbytes - 1000:
+                step = 97 + end % 1000
+                os.pwrite(fd, content[end : end + step].tobytes(), end)
+                end += step
+        finally:
+            os.close(fd)
+
+    t = threading.Thread(target=grow)
+    with nvme.defaults.set(engine="thread"), nvme.open(path, "r", direct=True) as f:
+        t.start()
+        try:
+            for i in range(300):
+                size = os.stat(path).st_size
+                off = max(0, size - 300 - (i * 37) % 700)
+                bufs = [np.zeros(1000, np.uint8) for _ in range(4)]
+                res = await asyncio.gather(
+                    *(f.pread(b, off + k * 211) for k, b in enumerate(bufs)), return_exceptions=True
+                )
+                for k, (b, r) in enumerate(zip(bufs, res)):
+                    o = off + k * 211
+                    if isinstance(r, nvme.ShortReadError):
+                        n = r.received
+                    else:
+                        assert r == 1000, r
+                        n = 1000
+                    assert np.array_equal(b[:n], content[o : o + n])
+        finally:
+            stop.set()
+            t.join()
