@@ -4,9 +4,10 @@ caller's buffer, bounce and read-modify-write only where needed."""
 
 from __future__ import annotations
 
-from aionvme._engine import plan
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from aionvme._engine import plan
 
 
 @settings(max_examples=400, deadline=None)
