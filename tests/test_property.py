@@ -51,24 +51,14 @@ class Model:
         return bytes(self.data[off : off + n])
 
 
-async def _read(f, op: str, buf: np.ndarray, off: int) -> int:
-    n = buf.nbytes
-    if op == "pread":
-        return await f.pread(buf, off)
-    if op == "pread_many":
-        h = n // 3
-        return await f.pread_many([(buf[:h], off), (buf[h:], off + h)])
-    return f.sync_pread(buf, off)
-
-
-async def _write(f, op: str, buf: np.ndarray, off: int) -> int:
-    n = buf.nbytes
-    if op == "pwrite":
-        return await f.pwrite(buf, off)
-    if op == "pwrite_many":
-        h = n // 3
-        return await f.pwrite_many([(buf[h:], off + h), (buf[:h], off)])
-    return f.sync_pwrite(buf, off)
+async def _transfer(f, op: str, buf: np.ndarray, off: int) -> int:
+    """op as named in OPS; the batch forms split buf in two items, out of order."""
+    h = buf.nbytes // 3
+    if op in ("pread", "pwrite"):
+        return await getattr(f, op)(buf, off)
+    if op in ("pread_many", "pwrite_many"):
+        return await getattr(f, op)([(buf[h:], off + h), (buf[:h], off)])
+    return getattr(f, op)(buf, off)  # the blocking forms
 
 
 def _check_read(model: Model, buf: np.ndarray, off: int, result: object) -> None:
@@ -124,13 +114,13 @@ async def _run(path: str, initial: bytes, seq, direct: bool, seed: int) -> None:
             if op.endswith(("pread", "pread_many")):
                 buf[:] = 0xEE
                 try:
-                    res: object = await _read(f, op, buf, off)
+                    res: object = await _transfer(f, op, buf, off)
                 except nvme.ShortReadError as e:
                     res = e
                 _check_read(model, buf, off, res)
             else:
                 buf[:] = rng.integers(0, 256, n, dtype=np.uint8)
-                assert await _write(f, op, buf, off) == n
+                assert await _transfer(f, op, buf, off) == n
                 model.write(off, buf.tobytes())
         assert f.size() == len(model.data)
     with open(path, "rb") as raw:
@@ -142,7 +132,11 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(tmp_path_factory.mktemp("property"))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# AIONVME_PROPERTY_EXAMPLES=2000 for a deeper run than CI's
+EXAMPLES = int(os.environ.get("AIONVME_PROPERTY_EXAMPLES", "150"))
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seq=steps,
     initial=st.integers(0, 200_000),

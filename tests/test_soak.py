@@ -33,6 +33,17 @@ def _buffer(rnd: random.Random, n: int) -> np.ndarray:
     return nvme.empty(n + shift)[shift : shift + n]  # deliberately misaligned
 
 
+def _issue(f: nvme.File, path: str, write: bool, via: int, buf: np.ndarray, off: int):  # type: ignore[no-untyped-def]
+    """One transfer through one of the entry points: File, path, or a batch of two."""
+    if via == 0:
+        return f.pwrite(buf, off) if write else f.pread(buf, off)
+    if via == 1:
+        return nvme.pwrite(buf, path, off) if write else nvme.pread(buf, path, off)
+    half = buf.nbytes // 2
+    items = [(buf[:half], off), (buf[half:], off + half)]
+    return f.pwrite_many(items) if write else f.pread_many(items)
+
+
 def _checksums(a: np.ndarray) -> list[int]:
     return [zlib.crc32(a[i : i + BLOCK]) for i in range(0, a.nbytes, BLOCK)]
 
@@ -73,29 +84,15 @@ async def test_soak_against_a_model(tmp_dir):
                 if not write and any(a < hi and lo < b for a, b in taken):
                     continue
                 buf = _buffer(rnd, n)
-                via = rnd.randrange(3)
                 if write:
                     buf[:] = np.frombuffer(rnd.randbytes(n), np.uint8)
                     taken.append((lo, hi))
-                    if via == 0:
-                        futs.append(f.pwrite(buf, off))
-                    elif via == 1:
-                        futs.append(nvme.pwrite(buf, path, off))
-                    else:
-                        half = n // 2
-                        futs.append(f.pwrite_many([(buf[:half], off), (buf[half:], off + half)]))
                     model[lo:hi] = buf
                     checks.append(("write", buf, off, None))
                 else:
                     reads.append((lo, hi))
-                    if via == 0:
-                        futs.append(f.pread(buf, off))
-                    elif via == 1:
-                        futs.append(nvme.pread(buf, path, off))
-                    else:
-                        half = n // 2
-                        futs.append(f.pread_many([(buf[:half], off), (buf[half:], off + half)]))
                     checks.append(("read", buf, off, size))
+                futs.append(_issue(f, path, write, rnd.randrange(3), buf, off))
             results = await asyncio.gather(*futs, return_exceptions=True)
             for (kind, buf, off, size_then), res in zip(checks, results):
                 n = buf.nbytes
