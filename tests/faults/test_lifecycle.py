@@ -12,11 +12,12 @@ import time
 import numpy as np
 import pytest
 import uvloop
-from faultkit import run_python
 
 import aionvme as nvme
 from aionvme import _reactor
 from aionvme._engine import open_handles
+
+from .faultkit import run_python
 
 MiB = 1 << 20
 
@@ -228,11 +229,16 @@ time.sleep(0.05)
 EXPECTED_RC = {"sys-exit": 3, "uncaught-exception": 1}
 
 
-@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
-@pytest.mark.parametrize("case", sorted(EXIT_SCRIPTS))
+EXIT_CASES = [
+    (case, kind)
+    for case in sorted(EXIT_SCRIPTS)
+    for kind in ("asyncio", "uvloop")
+    if not (case == "daemon-thread-blocking" and kind == "uvloop")  # no event loop there
+]
+
+
+@pytest.mark.parametrize(("case", "loop_kind"), EXIT_CASES)
 def test_process_exit_with_transfers_in_flight(make_file, case, loop_kind):
-    if case == "daemon-thread-blocking" and loop_kind == "uvloop":
-        pytest.skip("no event loop in this case")
     path, _ = make_file(32 * MiB)
     prelude = f"""
 import asyncio, sys, time, uvloop
