@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from faultkit import LoopFS, make_loopfs, need_root, need_tools, sh
+
+from .faultkit import LoopFS, make_loopfs, need_root, need_tools, sh
 
 HERE = Path(__file__).resolve().parent
 

@@ -13,7 +13,8 @@ import json
 import platform
 
 import pytest
-from faultkit import run_python
+
+from .faultkit import child_env, run_python
 
 # io_setup's number and the audit arch for the filter, per architecture.
 _ARCH = {"x86_64": (206, 0xC000003E), "aarch64": (0, 0xC00000B7)}
@@ -146,15 +147,9 @@ _reactor.Engine = _made_while_exhausted
 
 
 def test_thread_engine_by_request(tmp_path):
-    r = run_python(ROUND_TRIPS, str(tmp_path / "h.bin"), env=_env(AIONVME_ENGINE="thread"))
+    r = run_python(ROUND_TRIPS, str(tmp_path / "h.bin"), env=child_env(AIONVME_ENGINE="thread"))
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     for res in out["results"]:
         assert res["ok"] and res["use_aio"] is False and res["aio_errno"] is None, res
         assert res["submitted"] == 0 and res["thread_jobs"] > 0, res
-
-
-def _env(**kw: str) -> dict[str, str]:
-    from faultkit import child_env
-
-    return child_env(**kw)

@@ -11,9 +11,10 @@ import os
 import numpy as np
 import pytest
 import torch
-from faultkit import run_python
 
 import aionvme as nvme
+
+from .faultkit import run_python
 
 
 @pytest.fixture

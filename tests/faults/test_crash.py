@@ -11,10 +11,11 @@ import os
 
 import numpy as np
 import pytest
-from faultkit import SHUTDOWN_NOLOGFLUSH, blkio_throttle
 
 import aionvme as nvme
 from aionvme import _reactor, atomic
+
+from .faultkit import SHUTDOWN_NOLOGFLUSH, blkio_throttle
 
 MiB = 1 << 20
 OLD = np.random.default_rng(1).integers(0, 256, 3 * MiB + 5, dtype=np.uint8)

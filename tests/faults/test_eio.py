@@ -12,10 +12,11 @@ import os
 
 import numpy as np
 import pytest
-from faultkit import SHUTDOWN_NOLOGFLUSH, blkio_throttle, fiemap
 
 import aionvme as nvme
 from aionvme import _reactor
+
+from .faultkit import SHUTDOWN_NOLOGFLUSH, blkio_throttle, fiemap
 
 MiB = 1 << 20
 

@@ -9,7 +9,8 @@ Runs in a child process so that a fault fails the test instead of pytest."""
 from __future__ import annotations
 
 import pytest
-from faultkit import run_python
+
+from .faultkit import run_python
 
 CHILD = """
 import asyncio, ctypes, mmap, os, sys

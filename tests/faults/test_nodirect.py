@@ -8,9 +8,10 @@ import os
 
 import numpy as np
 import pytest
-from faultkit import responsiveness
 
 import aionvme as nvme
+
+from .faultkit import responsiveness
 
 MiB = 1 << 20
 

@@ -18,9 +18,10 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
-from faultkit import blkio_throttle, responsiveness
 
 import aionvme as nvme
+
+from .faultkit import blkio_throttle, responsiveness
 
 MiB = 1 << 20
 
