@@ -72,11 +72,15 @@ cdef class Engine:
         Batches of reads up to this many bytes are submitted on the calling
         thread (cheapest for small random reads); writes and bigger batches go
         to the submitter thread, which may block in io_submit in our stead.
+    aio_nr : int
+        nr_events for io_setup (0: queue_depth). Smaller than queue_depth, the
+        kernel context fills before the engine does and io_submit answers
+        EAGAIN part way: for tests of that path.
     """
 
     def __cinit__(self, int queue_depth=128, int threads=8, bint use_aio=True, bint ring_reap=True,
                   long long submit_budget=8 << 20, long long max_inflight_bytes=64 << 20,
-                  long long inline_submit_max=512 << 10):
+                  long long inline_submit_max=512 << 10, int aio_nr=0):
         cdef int32_t i
         cdef long rc
         cdef aionvme_aio_ring *ring
@@ -112,7 +116,7 @@ cdef class Engine:
         if use_aio:
             self.ctx = 0
             with nogil:
-                rc = syscall(SYS_io_setup, <unsigned>queue_depth, &self.ctx)
+                rc = syscall(SYS_io_setup, <unsigned>(aio_nr if aio_nr > 0 else queue_depth), &self.ctx)
             if rc < 0:
                 # ENOSYS (no CONFIG_AIO, gVisor), EPERM (seccomp), EAGAIN
                 # (fs.aio-max-nr exhausted): the worker pool serves everything.

@@ -28,13 +28,18 @@ cdef class Inode:
     def known_size(self):
         return self.c.known_size
 
-    def observe(self, long long size):
-        """The file was just seen at this size: make it the hint. Lowering it
-        is always safe (it only costs a CH_PREP), and it must be lowered when
-        the file shrank or the inode number was reused for a new file."""
-        pthread_mutex_lock(&self.c.lock)
-        self.c.known_size = size
-        pthread_mutex_unlock(&self.c.lock)
+    def reset_size(self, long long size):
+        """Record the size the file has now (fstat at open, or after a truncate).
+
+        known_size must never exceed the real size: a write believed to stay
+        inside the file skips its preparation, and a read-modify-write that
+        then trims the file back can cut off another write's bytes. A file
+        shrinks behind our back when it is truncated, rewritten by another
+        program, or deleted and its inode number reused."""
+        with nogil:
+            pthread_mutex_lock(&self.c.lock)
+            self.c.known_size = size
+            pthread_mutex_unlock(&self.c.lock)
 
 
 cdef class FileHandle:
@@ -153,7 +158,7 @@ cdef class Request:
         s.offset = off
         if i == 0:
             self.c.pos = off
-        if off + n > self.c.end_max:
+        if n > 0 and off + n > self.c.end_max:   # an empty item extends nothing (like pwrite(2))
             self.c.end_max = off + n
         self.c.nsegs = i + 1
         return 0

@@ -4,19 +4,29 @@
 # writes, fsync, and everything when io_setup is refused. They finish a job
 # exactly as the kernel finishes an iocb: store res, then bump the eventfd.
 
+cdef int64_t _RESTART_ALIGN = 4096   # >= every O_DIRECT alignment we serve (file.py's default)
+
+
 cdef inline int64_t _full_pread(int fd, char *buf, int64_t n, int64_t off) noexcept nogil:
     # Loops over short counts; stops at EOF. Returns bytes read or -errno.
-    cdef int64_t done = 0
+    # An error after a partial count is still an error: reported as a short
+    # count it would read as "the file ends here" (and a read-modify-write
+    # would zero-fill the bytes it could not read and write them back).
+    # After a short count each retry starts at the 4096-aligned position at
+    # or below what arrived (re-reading a few bytes): on an O_DIRECT fd a
+    # retry at the unaligned end of a short read gives EINVAL, not EOF.
+    cdef int64_t done = 0, at
     cdef ssize_t r
     while done < n:
-        r = pread(fd, buf + done, n - done, off + done)
+        at = done - done % _RESTART_ALIGN
+        r = pread(fd, buf + at, n - at, off + at)
         if r < 0:
             if errno == EINTR:
                 continue
-            return -errno if done == 0 else done
-        if r == 0:
-            break
-        done += r
+            return -errno
+        if at + r <= done:
+            break   # nothing new: the end of the file
+        done = at + r
     return done
 
 
@@ -47,6 +57,11 @@ cdef int64_t _job_prep(Chunk *ch) noexcept nogil:
     pthread_mutex_lock(&ino.lock)
     if fstat(ch.fd, &st) != 0:
         res = -errno
+    elif not S_ISREG(st.st_mode):
+        # a block device: its size is fixed and st_size is 0; there is nothing
+        # to allocate (writes past its end fail by themselves)
+        if end > ino.known_size:
+            ino.known_size = end
     elif end > st.st_size:
         start = ch.foff if ch.foff > st.st_size else st.st_size
         if fallocate(ch.fd, 0, start, end - start) != 0:
@@ -57,6 +72,12 @@ cdef int64_t _job_prep(Chunk *ch) noexcept nogil:
                     res = -errno
             else:
                 res = -errno
+                # ext4 keeps what a failed fallocate managed to allocate and
+                # moves i_size to it (measured: ENOSPC left 3.8 MiB of zeros
+                # past the old end). Nothing of the caller's was written: give
+                # the file back its old size.
+                if ftruncate(ch.fd, st.st_size) != 0:
+                    pass   # the ENOSPC/EIO already reported says enough
         if res == 0 and end > ino.known_size:
             ino.known_size = end
     elif st.st_size > ino.known_size:
@@ -93,10 +114,10 @@ cdef int64_t _job_rmw(Chunk *ch) noexcept nogil:
                 res = r
             elif r < ch.len:
                 res = r   # short write: reported by the completion
-            else:
+            elif S_ISREG(st.st_mode):   # (a block device has no size to trim)
                 uend = ch.foff + ch.uskip + ch.ulen
                 want = size0 if size0 > uend else uend
-                if ch.foff + ch.len > want and S_ISREG(st.st_mode):   # devices have no size to fix
+                if ch.foff + ch.len > want:
                     if ftruncate(ch.fd, want) != 0:
                         res = -errno
                 if want > ino.known_size:

@@ -42,7 +42,7 @@ class Inode:
     def __new__(cls, known_size: int = ...) -> Inode: ...
     @property
     def known_size(self) -> int: ...
-    def observe(self, size: int) -> None: ...
+    def reset_size(self, size: int) -> None: ...
 
 @disjoint_base
 class FileHandle:
@@ -125,6 +125,7 @@ class Engine:
         submit_budget: int = ...,
         max_inflight_bytes: int = ...,
         inline_submit_max: int = ...,
+        aio_nr: int = ...,
     ) -> Engine: ...
     def read(
         self,

@@ -20,6 +20,7 @@ import atexit
 import contextlib
 import os
 import sys
+import threading
 import weakref
 from typing import Any
 
@@ -35,6 +36,7 @@ _ATTR = "_aionvme_reactor"
 _pid = os.getpid()
 _FAST_LOOKUP = sys.version_info < (3, 12)
 _engines: weakref.WeakSet[Engine] = weakref.WeakSet()  # every live engine, for fork and exit
+_owners: weakref.WeakKeyDictionary[Engine, int] = weakref.WeakKeyDictionary()  # engine -> thread ident
 
 
 def new_engine(settings: defaults.Settings | None = None) -> Engine:
@@ -48,6 +50,7 @@ def new_engine(settings: defaults.Settings | None = None) -> Engine:
         eng.close()
         raise err
     _engines.add(eng)
+    _owners[eng] = threading.get_ident()
     return eng
 
 
@@ -222,7 +225,17 @@ def _after_fork_in_child() -> None:
 
 def _at_exit() -> None:
     # Let every transfer still in flight land before the buffers' memory goes.
+    # An engine is driven by one thread and has no lock: one whose thread is
+    # still running (a daemon thread inside a blocking read, a loop in a
+    # daemon thread) is left alone, since closing it from here races with
+    # that thread (SIGSEGV, tests/faults/test_lifecycle.py). Its requests hold
+    # their buffers, so the memory stays valid until the process is gone.
+    alive = {t.ident for t in threading.enumerate()}
+    me = threading.get_ident()
     for eng in list(_engines):
+        owner = _owners.get(eng)
+        if owner is not None and owner != me and owner in alive:
+            continue
         with contextlib.suppress(Exception):
             eng.close()
 

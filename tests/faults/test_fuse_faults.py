@@ -1,0 +1,72 @@
+"""Files on a FUSE filesystem (faultfs.c): served O_DIRECT by the worker pool
+(io_submit would wait for the daemon), every byte right; EIO inside a byte
+range surfaces as OSError(EIO) at the failing part, never as a short read."""
+
+from __future__ import annotations
+
+import errno
+
+import numpy as np
+import pytest
+
+import aionvme as nvme
+
+MiB = 1 << 20
+
+
+def _data(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+async def test_fuse_files_are_direct_on_worker_threads(faultfs):
+    path = str(faultfs.mnt / "a.bin")
+    data = _data(3 * MiB + 11, 1)
+    assert await nvme.pwrite(data, path, 5) == data.nbytes
+    with nvme.open(path, "r+") as f:
+        assert f.direct and f.info.fs_name == "fuse" and "worker threads" in f.info.reason, f.info
+        out = np.zeros_like(data)
+        before = nvme.stats()["thread_jobs"]
+        assert await f.pread(out, 5) == out.nbytes
+        assert nvme.stats()["thread_jobs"] > before
+    assert np.array_equal(out, data)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+async def test_eio_in_a_byte_range(faultfs, direct):
+    path = str(faultfs.mnt / "e.bin")
+    data = _data(4 * MiB, 2)
+    await nvme.pwrite(data, path)
+    # Mid-chunk: the kernel splits a 1 MiB chunk into several FUSE requests,
+    # the first ones succeed, so the chunk's pread returns a partial count
+    # and the next one EIO. That must be EIO, not "the file ends here".
+    bad = (3 * MiB // 2 + 4096, 3 * MiB // 2 + 4106)
+    faultfs.set(eio=bad)
+    with nvme.open(path, "r+", direct=direct, block_size="1M") as f:
+        # the whole file: EIO, reported in the chunk that holds the bad bytes
+        out = nvme.empty(4 * MiB)
+        with pytest.raises(OSError) as ei:
+            await f.pread(out, 0)
+        e = ei.value
+        assert not isinstance(e, nvme.ShortReadError), e
+        assert e.errno == errno.EIO and e.filename == path
+        assert bad[0] - MiB < e.offset <= bad[0], e.offset
+        # around the range: fine
+        head = np.zeros(bad[0], np.uint8)
+        assert await f.pread(head, 0) == bad[0]
+        assert np.array_equal(head, data[: bad[0]])
+        tail = np.zeros(MiB, np.uint8)
+        assert await f.pread(tail, 3 * MiB) == MiB
+        assert np.array_equal(tail, data[3 * MiB :])
+        # a small unaligned read right on it, and writes across it
+        with pytest.raises(OSError) as ei:
+            await f.pread(np.zeros(3, np.uint8), bad[0] + 2)
+        assert ei.value.errno == errno.EIO
+        with pytest.raises(OSError) as ei:
+            await f.pwrite(np.ones(100, np.uint8), bad[0] - 50)
+        assert ei.value.errno == errno.EIO
+    faultfs.set()
+    # A failed write may have written the part before the failure (as
+    # pwrite(2) may); nothing outside the write's own range is touched.
+    back = np.fromfile(path, np.uint8)
+    assert np.array_equal(back[: bad[0] - 50], data[: bad[0] - 50])
+    assert np.array_equal(back[bad[0] + 50 :], data[bad[0] + 50 :])
