@@ -363,7 +363,8 @@ def gds_submit(Engine eng, FileHandle f, object items, bint write=False, long lo
     (a buffer registered with cuFileBufRegister, or the memory itself) and
     owner is kept alive until the request finishes. f must be registered
     (gds_register_file). Chunks of block bytes run in parallel on workers
-    and complete like any request."""
+    (at most max_inflight at once; 0: one per worker thread) and complete
+    like any request."""
     cdef list lst = items if type(items) is list else list(items)
     cdef Request req
     cdef int64_t boff, n, off
@@ -373,6 +374,11 @@ def gds_submit(Engine eng, FileHandle f, object items, bint write=False, long lo
         raise _exc.DeviceError(f"{f.path!r} is not registered with cuFile")
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
+    if max_inflight <= 0:
+        # A cuFile call holds a worker for its whole transfer: more chunks in
+        # flight than workers would only queue behind them, delay everything
+        # else the pool serves and keep a cancelled request from stopping.
+        max_inflight = eng.nthreads_max
     req = _new_request(f, OP_WRITE if write else OP_READ, len(lst), block, max_inflight, 0)
     req.c.flags |= RF_GDS
     req.c.align = 1
@@ -413,7 +419,7 @@ cdef int64_t _gds_job(Chunk *ch) noexcept nogil:
     if ctx != NULL and _cu_set_current(ctx) != 0:
         return -CU_FILE_CUDA_DRIVER_ERROR   # the device memory's context cannot be made current
     while done < ch.len:
-        errno = 0
+        aionvme_clear_errno()
         if ch.op == CH_GDS_READ:
             k = _cf_read(r.cufh, ch.buf, ch.len - done, ch.foff + done, ch.doff + done)
         else:

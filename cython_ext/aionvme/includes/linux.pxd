@@ -132,6 +132,7 @@ cdef extern from "compat.h" nogil:
         uint32_t stx_dio_mem_align
         uint32_t stx_dio_offset_align
     int aionvme_fstatx(int fd, aionvme_statx *out)
+    void aionvme_clear_errno()
     unsigned AIONVME_STATX_DIOALIGN
 
     struct aionvme_aio_ring:
