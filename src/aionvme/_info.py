@@ -217,6 +217,9 @@ def cufile(probe: bool = True) -> dict[str, Any]:
         return out
     if found is None or not probe:
         return out
+    if not os.environ.get("AIONVME_CUFILE_LIBRARY") and not gpu.nvidia_driver_present():
+        out["reason"] = "no NVIDIA GPU driver here (/dev/nvidiactl and /proc/driver/nvidia are absent)"
+        return out
     out.update(_probe_cufile())
     return out
 

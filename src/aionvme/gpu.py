@@ -180,6 +180,11 @@ def find_library() -> str | None:
     return None
 
 
+def nvidia_driver_present() -> bool:
+    """Whether the NVIDIA kernel driver is here (its device node or /proc entry)."""
+    return os.path.exists("/dev/nvidiactl") or os.path.isdir("/proc/driver/nvidia")
+
+
 class _Driver:
     """This process's cuFile driver, opened once on first use."""
 
@@ -216,6 +221,11 @@ def _open_driver() -> _Driver:
             return d
         st = _engine.gds_status()
         d.path, d.version = path, st["version"]
+        if not os.environ.get("AIONVME_CUFILE_LIBRARY") and not nvidia_driver_present():
+            # cuFileDriverOpen needs the GPU driver: without one, cuFile 1.20 was
+            # seen to hang in it for minutes (1.15 fails at once).
+            d.reason = "no NVIDIA GPU driver here (/dev/nvidiactl and /proc/driver/nvidia are absent)"
+            return d
         try:
             _engine.gds_driver_open()
         except CuFileError as e:
