@@ -270,6 +270,25 @@ def test_driver_reference_count(shim):
     assert _engine.gds_unload()
 
 
+def test_registered_files_keep_the_driver_open(shim, tmp_path):
+    f = _registered_file(tmp_path / "k.bin")
+    assert _engine.gds_status()["driver_refs"] == 2  # the process's and the file's
+    gpu.shutdown()  # drops the process's reference only
+    assert shim.counts()["closes"] == 0 and _engine.gds_status()["handles"] == 1
+    f.close()
+    c = shim.counts()
+    assert c["closes"] == 1 and c["handles"] == 0 and _engine.gds_status()["driver_refs"] == 0
+
+
+def test_a_file_refused_mid_transfer_goes_the_bounce_way(shim, tmp_path):
+    with _registered_file(tmp_path / "m.bin") as f:
+        h = f._handle()
+        _engine.gds_refuse_file(h, cufile_error(5008, h.path, op="cuFileRead"))
+        assert "GPUDirect Storage not supported on current file" in gpu.gds_choice(h)
+        assert _engine.gds_file_registered(h)  # requests in flight may still use it
+    assert shim.counts()["handles"] == 0
+
+
 def test_driver_open_failure_is_named_and_remembered(shim, monkeypatch, tmp_path):
     monkeypatch.setenv("SHIM_OPEN_FAIL", "5001")
     st = gpu.cufile_status()

@@ -257,7 +257,7 @@ def gds_register_file(FileHandle f):
     """Register f's fd with cuFile (once; cached on f until its fd closes).
     Raises CuFileError when cuFile refuses the file (no O_DIRECT,
     unsupported filesystem...); the error is also kept as f.gds_refused."""
-    global _cf_handles
+    global _cf_handles, _cf_driver_refs
     cdef CUfileDescr_t descr
     cdef CUfileHandle_t h = NULL
     cdef CUfileError_t e
@@ -276,12 +276,22 @@ def gds_register_file(FileHandle f):
     descr.fs_ops = NULL
     with nogil:
         e = _cf_handle_register(&h, &descr)
+        if e.err == CU_FILE_SUCCESS:
+            pthread_mutex_lock(&_cf_mu)
+            _cf_driver_refs += 1    # the driver stays open while a handle is registered
+            pthread_mutex_unlock(&_cf_mu)
     if e.err != CU_FILE_SUCCESS:
         f.gds_refused = _gds_status_error(e, "cuFileHandleRegister", f.path)
         raise f.gds_refused
     f.cufh = h
     _cf_handles += 1
     return None
+
+
+def gds_refuse_file(FileHandle f, object reason):
+    """Mark f as refused by cuFile (reason: the exception) without
+    deregistering it: requests in flight may still use its handle."""
+    f.gds_refused = reason
 
 
 def gds_file_registered(FileHandle f):
@@ -291,7 +301,7 @@ def gds_file_registered(FileHandle f):
 
 cdef void _gds_drop_file(FileHandle f) noexcept:
     # Called before f's fd is closed: cuFile forgets the fd first.
-    global _cf_handles
+    global _cf_handles, _cf_driver_refs
     cdef CUfileHandle_t h = f.cufh
     if h == NULL:
         return
@@ -302,6 +312,12 @@ cdef void _gds_drop_file(FileHandle f) noexcept:
         return   # a forked child's copy: the handle is the parent's
     with nogil:
         _cf_handle_deregister(h)
+        pthread_mutex_lock(&_cf_mu)
+        if _cf_driver_refs > 0:
+            _cf_driver_refs -= 1
+            if _cf_driver_refs == 0:
+                _cf_driver_close()     # the last user: a failure here has no one to report to
+        pthread_mutex_unlock(&_cf_mu)
 
 
 # -- buffers -------------------------------------------------------------------------

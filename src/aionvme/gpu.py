@@ -316,6 +316,8 @@ def gds_choice(fh: FileHandle) -> str | None:
     want = defaults.settings.gpu_path
     if want == "bounce":
         return "gpu_path='bounce'"
+    if fh.gds_refused is not None and want == "auto":
+        return str(fh.gds_refused.strerror)
     if _engine.gds_file_registered(fh):
         return None
     d = _driver
@@ -956,6 +958,7 @@ async def _device_part(
             if e.code not in _FALL_BACK or defaults.settings.gpu_path == "gds":
                 raise
             _refuse(fh, f"cuFile refused a transfer: {e.strerror}")
+            _engine.gds_refuse_file(fh, e)
     return await _bounce(r, fh, write, items, params)
 
 
@@ -1117,6 +1120,7 @@ def run_sync(
                 if e.code not in _FALL_BACK or defaults.settings.gpu_path == "gds":
                     raise
                 _refuse(fh, f"cuFile refused a transfer: {e.strerror}")
+                _engine.gds_refuse_file(fh, e)
         return total + _bounce_sync(eng, fh, write, dev, params)
     finally:
         if temporary:
@@ -1128,6 +1132,6 @@ def _at_exit() -> None:
         shutdown()
 
 
-import atexit  # noqa: E402 - registered last: after the engines' own exit hook (atexit runs LIFO)
+import atexit  # noqa: E402 - with the hooks below: files still registered keep the driver open
 
 atexit.register(_at_exit)
