@@ -117,9 +117,11 @@ def any_cuda(items: Sequence[tuple[Any, Any]]) -> bool:
 
 def require_cuda(what: str) -> Any:
     """The torch module, or DeviceError saying why ``what`` needs CUDA."""
-    if importlib.util.find_spec("torch") is None:
-        raise DeviceError(f"{what} needs torch with CUDA; torch is not installed")
-    import torch
+    torch: Any = sys.modules.get("torch")
+    if torch is None:
+        if importlib.util.find_spec("torch") is None:
+            raise DeviceError(f"{what} needs torch with CUDA; torch is not installed")
+        import torch
 
     if not torch.cuda.is_available():
         raise DeviceError(
@@ -798,6 +800,22 @@ class _Job:
         self.errors: list[tuple[int, BaseException]] = []  # (item, error)
         self.stop = False
 
+    def setup(
+        self, torch: Any
+    ) -> tuple[PinnedPool, list[Any], list[int], list[int], dict[Any, Any], list[_Piece]]:
+        """(pool, flat uint8 views of the tensors, file offsets, sizes, copy
+        stream per device, pieces) for a bounce transfer; the copy streams
+        are ordered after the work queued so far on the tensors' current streams."""
+        p = pool()
+        flats = [_flat_bytes(t, "pwrite" if self.write else "pread") for t, _ in self.items]
+        offsets = [int(off) for _, off in self.items]
+        sizes = [int(f.numel()) for f in flats]
+        streams = {d: _stream(torch, d) for d in {f.device for f in flats}}
+        for d, s in streams.items():
+            s.wait_stream(torch.cuda.current_stream(d))
+        pieces = plan_pieces(list(zip(sizes, offsets)), p.slot_size, max(self.fh.align, 1))
+        return p, flats, offsets, sizes, streams, pieces
+
     def fail(self, item: int, exc: BaseException) -> None:
         self.errors.append((item, exc))
         self.stop = True
@@ -835,17 +853,8 @@ async def _bounce(
     """The pinned bounce pipeline for CUDA tensors (async)."""
     import torch
 
-    p = pool()
-    flats = [_flat_bytes(t, "pwrite" if write else "pread") for t, _ in items]
-    offsets = [int(off) for _, off in items]
-    sizes = [int(f.numel()) for f in flats]
-    devices = {f.device for f in flats}
-    streams = {d: _stream(torch, d) for d in devices}
-    for d, s in streams.items():
-        s.wait_stream(torch.cuda.current_stream(d))  # after what is queued on the tensors
-    align = max(fh.align, 1)
-    pieces = plan_pieces(list(zip(sizes, offsets)), p.slot_size, align)
     job = _Job(fh, write, items)
+    p, flats, offsets, sizes, streams, pieces = job.setup(torch)
     block, maxinf, mode = params
     it = iter(pieces)
 
@@ -892,6 +901,21 @@ async def _bounce(
     return job.finish(offsets, sizes)
 
 
+async def _all_done(futs: Sequence[asyncio.Future[Any]]) -> None:
+    """Wait until every one of futs is done. If the waiting task is cancelled,
+    cancel them all and still wait for all of them (each finishes what it has
+    in flight), then raise the cancellation."""
+    try:
+        await asyncio.wait(futs)
+    except asyncio.CancelledError:
+        for f in futs:
+            f.cancel()
+        while not all(f.done() for f in futs):
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait(futs)
+        raise
+
+
 async def _call(worker: Callable[[], Awaitable[None]]) -> None:
     await worker()
 
@@ -904,15 +928,7 @@ async def _workers(n: int, worker: Callable[[], Awaitable[None]]) -> None:
         return
     loop = asyncio.get_running_loop()
     tasks: list[asyncio.Task[None]] = [loop.create_task(_call(worker)) for _ in range(n)]
-    try:
-        await asyncio.wait(tasks)
-    except asyncio.CancelledError:
-        for t in tasks:
-            t.cancel()
-        while not all(t.done() for t in tasks):
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait(tasks)
-        raise
+    await _all_done(tasks)
     for t in tasks:
         if not t.cancelled() and t.exception() is not None:
             raise t.exception()  # type: ignore[misc]
@@ -977,15 +993,7 @@ async def transfer(
             parts.append((host, r.submit(make(fh, [items[i] for i in host], *params))))
         parts.append((dev, _device_part(r, fh, write, [items[i] for i in dev], params)))
         futs = [asyncio.ensure_future(op) for _, op in parts]
-        try:
-            await asyncio.wait(futs)
-        except asyncio.CancelledError:
-            for f in futs:
-                f.cancel()
-            while not all(f.done() for f in futs):
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait(futs)
-            raise
+        await _all_done(futs)
         total = 0
         for (index, _), f in zip(parts, futs):
             if f.cancelled():
@@ -1041,16 +1049,9 @@ def _bounce_sync(
 ) -> int:
     import torch
 
-    p = pool()
-    flats = [_flat_bytes(t, "pwrite" if write else "pread") for t, _ in items]
-    offsets = [int(off) for _, off in items]
-    sizes = [int(f.numel()) for f in flats]
-    streams = {d: _stream(torch, d) for d in {f.device for f in flats}}
-    for d, s in streams.items():
-        s.wait_stream(torch.cuda.current_stream(d))
-    pieces = plan_pieces(list(zip(sizes, offsets)), p.slot_size, max(fh.align, 1))
-    block, maxinf, mode = params
     job = _Job(fh, write, items)
+    p, flats, offsets, sizes, streams, pieces = job.setup(torch)
+    block, maxinf, mode = params
     pending: collections.deque[tuple[_Slot, Any]] = collections.deque()  # read copies in flight
     depth = min(2, p.nslots)
     try:
