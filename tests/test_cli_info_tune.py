@@ -52,7 +52,7 @@ def test_info_json_describes_this_machine(tmp_path):
     disabled = d["io_uring"]["io_uring_disabled"]  # 0: allowed, 1: privileged only, 2: off
     if disabled in (0, 2):
         assert d["io_uring"]["available"] is (disabled == 0)
-    assert set(d["gpu"]) == {"cuda", "devices", "source"}
+    assert set(d["gpu"]) == {"cuda", "devices", "source", "details"}
     assert d["defaults"] == defaults.get()
     assert not list(tmp_path.iterdir())  # the probe file is gone
 

@@ -154,7 +154,7 @@ cdef class Engine:
         cdef int64_t res = ch.res
         cdef int64_t got, first_missing
         cdef int32_t slot
-        if ch.op == CH_READ:
+        if ch.op == CH_READ or ch.op == CH_GDS_READ:
             if res < 0:
                 if r.err == 0:
                     r.err = <int32_t>-res
@@ -175,7 +175,7 @@ cdef class Engine:
                         r.short_seg = ch.seg
                         r.short_at = first_missing
                     self._stop_generating(r)
-        elif ch.op == CH_WRITE or ch.op == CH_RMW:
+        elif ch.op == CH_WRITE or ch.op == CH_RMW or ch.op == CH_GDS_WRITE:
             if res < 0:
                 if r.err == 0:
                     r.err = <int32_t>-res
@@ -296,6 +296,8 @@ cdef class Engine:
                     memcpy(ch.bounce, ch.user, p.ulen)
         else:
             ch.buf = s.addr + (p.upos - s.offset)
+        if r.flags & RF_GDS:
+            _gds_chunk(r, s, &p, ch)
         r.pos = p.upos + p.ulen
         if r.pos >= s.offset + s.nbytes:
             r.cur += 1

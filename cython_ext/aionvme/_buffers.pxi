@@ -91,6 +91,7 @@ cdef class AlignedBuffer:
     cdef Py_ssize_t strides[1]
     cdef int exports
     cdef readonly bint locked
+    cdef object release_hook
 
     def __cinit__(self, Py_ssize_t nbytes, bint lock=False):
         cdef void *p
@@ -117,9 +118,21 @@ cdef class AlignedBuffer:
             self.locked = True
 
     def __dealloc__(self):
+        hook = self.release_hook
+        self.release_hook = None
+        if hook is not None and self.ptr != NULL:
+            hook(<uintptr_t>self.ptr)   # e.g. cudaHostUnregister: before the pages go
         if self.ptr != NULL:
             munmap(self.ptr, self.mapped)
             self.ptr = NULL
+
+    def set_release_hook(self, object hook):
+        """Call hook(address) when the memory is about to be unmapped (once,
+        from the deallocator: it must not raise). For registrations with
+        other runtimes (cudaHostRegister) that must end before the pages go."""
+        if hook is not None and not callable(hook):
+            raise TypeError("hook must be callable or None")
+        self.release_hook = hook
 
     @property
     def address(self):

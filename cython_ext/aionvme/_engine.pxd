@@ -21,6 +21,8 @@ cdef enum:
     CH_PREP = 3        # make room before extending writes: fallocate (worker)
     CH_FSYNC = 4
     CH_FDATASYNC = 5
+    CH_GDS_READ = 6    # cuFileRead into device memory (worker)
+    CH_GDS_WRITE = 7   # cuFileWrite from device memory (worker)
 
     # Who copies a bounce chunk's bytes. Big copies run on a worker so the
     # loop thread never spends more than a few microseconds per chunk.
@@ -48,12 +50,15 @@ cdef enum:
     RF_SHORT_WRITE = 64
     RF_SINGLE_SUBMIT = 128   # each of its iocbs goes in its own io_submit (single_submit)
     RF_NO_OVERLAP = 256      # batch-and-wait: next window after the last is reaped (overlap_events=False)
+    RF_GDS = 512             # device memory through cuFile: CH_GDS_* chunks on workers, never bounced
 
 
 cdef struct Seg:
     char *addr
     int64_t nbytes
     int64_t offset
+    int64_t boff           # GDS: the segment's first byte is addr + boff (addr: the cuFile base)
+    void *cuctx            # GDS: the CUDA context owning that memory (NULL: leave the thread's)
 
 
 cdef struct InodeC:
@@ -84,6 +89,7 @@ cdef struct ReqC:
     int64_t err_off        # file offset of the chunk that failed
     int32_t short_seg      # first segment that came back short, -1 if none
     int64_t short_at       # file offset of the first missing byte in that segment
+    void *cufh             # GDS: the file's cuFile handle
 
 
 cdef struct Chunk:
@@ -106,6 +112,7 @@ cdef struct Chunk:
     int32_t single         # own io_submit (the request's RF_SINGLE_SUBMIT, copied for the submitter)
     int64_t acct           # bytes this chunk adds to the engine's inflight_bytes
     int32_t next_free
+    int64_t doff           # GDS: offset from buf (the cuFile base pointer) of the chunk's first byte
 
 
 cdef struct Pool:
@@ -172,6 +179,8 @@ cdef class FileHandle:
     cdef readonly bint closing
     cdef readonly bint closed
     cdef public object owner       # the user-facing File, for error messages and close callbacks
+    cdef void *cufh                # cuFile handle, registered on first GDS use (NULL: none)
+    cdef readonly object gds_refused   # why cuFile refused this fd (CuFileError), or None
     cdef int _close_fd(self) except -1
 
 
@@ -192,6 +201,7 @@ cdef class Request:
     cdef public bint cancel_requested    # the awaiting side asked to cancel (see the reactor)
     cdef public object cancel_msg
     cdef int _add_segment(self, object buf, object offset, bint writable) except -1
+    cdef int _put_segment(self, char *addr, int64_t boff, int64_t n, int64_t off) except -1
     cdef void _release(self) noexcept
 
 

@@ -73,6 +73,7 @@ cdef class FileHandle:
     def __dealloc__(self):
         # Last resort: a handle nobody closed (its File warned already).
         if self.fd >= 0 and not self.closed:
+            _gds_drop_file(self)
             close(self.fd)
             self.fd = -1
             global _open_handles
@@ -86,6 +87,7 @@ cdef class FileHandle:
         self.fd = -1
         if fd >= 0:
             _open_handles -= 1
+            _gds_drop_file(self)   # cuFile lets go of the fd before it can be reused
             with nogil:
                 rc = close(fd)
             if rc != 0 and errno != EINTR:
@@ -135,25 +137,21 @@ cdef class Request:
 
     cdef int _add_segment(self, object buf, object offset, bint writable) except -1:
         cdef int i = self.c.nsegs
-        cdef Seg *s = &self.c.segs[i]
         cdef char *addr
-        cdef int64_t n, off
-        try:
-            if type(offset) is not int:
-                offset = _index(offset)   # ints and numpy ints, not floats
-            off = offset
-        except OverflowError:
-            raise _exc.InvalidOffsetError(f"offset {offset} does not fit in a 64-bit file offset") from None
-        except TypeError:
-            raise TypeError(f"offset must be an int, got {type(offset).__name__}") from None
-        if off < 0:
-            raise _exc.InvalidOffsetError(f"offset must be >= 0, got {off}")
+        cdef int64_t n
+        cdef int64_t off = _file_offset(offset)
         memset(&self.views[i], 0, sizeof(Py_buffer))
         _buffer_address(buf, writable, &self.views[i], self.keep, &addr, &n)
         self.nviews = i + 1
+        return self._put_segment(addr, 0, n, off)
+
+    cdef int _put_segment(self, char *addr, int64_t boff, int64_t n, int64_t off) except -1:
+        cdef int i = self.c.nsegs
+        cdef Seg *s = &self.c.segs[i]
         if n > _INT64_MAX - off:
             raise _exc.InvalidOffsetError(f"offset {off} + {n} bytes overflows a 64-bit file offset")
         s.addr = addr
+        s.boff = boff
         s.nbytes = n
         s.offset = off
         if i == 0:
@@ -197,6 +195,9 @@ cdef class Request:
         cdef Seg *s
         path = self.file.path if self.file is not None else None
         if self.c.err:
+            if self.c.flags & RF_GDS:
+                return _gds_error(self.c.err, path, self.c.err_off, self.nbytes,
+                                  "cuFileWrite" if self.c.op == OP_WRITE else "cuFileRead")
             return _os_error(self.c.err, path, self.c.err_off, self.nbytes, self.op)
         if self.c.flags & RF_SHORT_WRITE:
             return _exc.ShortWriteError(path, self.c.err_off, self.nbytes)
@@ -205,6 +206,22 @@ cdef class Request:
             return _exc.ShortReadError(path, s.offset, s.nbytes, self.c.short_at - s.offset,
                                        segment=self.c.short_seg if self.c.nsegs > 1 else None)
         return None
+
+
+cdef int64_t _file_offset(object offset) except -1:
+    """A file offset from an int (or numpy int): >= 0 and within 64 bits."""
+    cdef int64_t off
+    try:
+        if type(offset) is not int:
+            offset = _index(offset)   # ints and numpy ints, not floats
+        off = offset
+    except OverflowError:
+        raise _exc.InvalidOffsetError(f"offset {offset} does not fit in a 64-bit file offset") from None
+    except TypeError:
+        raise TypeError(f"offset must be an int, got {type(offset).__name__}") from None
+    if off < 0:
+        raise _exc.InvalidOffsetError(f"offset must be >= 0, got {off}")
+    return off
 
 
 cdef Request _new_request(FileHandle f, int op, int nsegs, int64_t block, int max_inflight, int mode):

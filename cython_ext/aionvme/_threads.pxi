@@ -152,6 +152,8 @@ cdef int64_t _run_job(Chunk *ch) noexcept nogil:
         ch.phase = PH_FILLED
         if ch.kind == KIND_AIO:
             return 0                  # back to the engine, which submits the write
+    if ch.op == CH_GDS_READ or ch.op == CH_GDS_WRITE:
+        return _gds_job(ch)
     if ch.op == CH_READ:
         r = _full_pread(ch.fd, ch.buf, ch.len, ch.foff)
         if ch.user != NULL and r >= 0:

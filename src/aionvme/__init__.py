@@ -15,13 +15,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import defaults
+from . import defaults, gpu
 from ._engine import AlignedBuffer
 from .atomic import atomic_write
 from .exceptions import (
     AionvmeError,
     BufferTypeError,
     ClosedFileError,
+    CuFileError,
     DeviceError,
     EngineClosedError,
     InvalidOffsetError,
@@ -42,6 +43,7 @@ from .formats import (
     save_in_background,
     save_safetensors,
 )
+from .gpu import deregister, register
 from .handle import Handle
 from .memory import empty, is_aligned
 from .runtime import aclose, stats
@@ -61,6 +63,7 @@ __all__ = [
     "AlignedBuffer",
     "BufferTypeError",
     "ClosedFileError",
+    "CuFileError",
     "DeviceError",
     "EngineClosedError",
     "File",
@@ -77,8 +80,10 @@ __all__ = [
     "aclose",
     "atomic_write",
     "defaults",
+    "deregister",
     "empty",
     "fsync",
+    "gpu",
     "info",
     "is_aligned",
     "load",
@@ -89,6 +94,7 @@ __all__ = [
     "pread_many",
     "pwrite",
     "pwrite_many",
+    "register",
     "save",
     "save_in_background",
     "save_safetensors",

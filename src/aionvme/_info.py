@@ -2,15 +2,15 @@
 
 Probes are cheap and side-effect free: io_setup/io_destroy of one event,
 io_uring_setup of one entry, a 4 KiB O_DIRECT write and read of a temporary
-file in the given directory (removed after). CUDA is never initialised:
-cuFile is looked for as a file, the GPU through torch if it is already
-importable, else /proc/driver/nvidia.
+file in the given directory (removed after). CUDA is never initialised in
+the calling process: cuFile's driver is opened by a child process (unless
+this process has opened it already), the GPU is listed through torch if it
+is importable, else /proc/driver/nvidia.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import importlib.metadata
 import importlib.util
@@ -186,23 +186,82 @@ def limits() -> dict[str, Any]:
     }
 
 
-def cufile() -> dict[str, Any]:
-    """Where libcufile.so.0 is, if anywhere (not loaded)."""
-    found = ctypes.util.find_library("cufile")
-    if found is None:
-        for pkg in ("nvidia.cufile", "nvidia.cu13", "nvidia.cu12"):
-            try:
-                spec = importlib.util.find_spec(pkg)
-            except (ImportError, ValueError):
-                spec = None
-            for base in (spec.submodule_search_locations or []) if spec else []:
-                lib = os.path.join(base, "lib", "libcufile.so.0")
-                if os.path.exists(lib):
-                    found = lib
-                    break
-            if found:
-                break
-    return {"library": found, "available": found is not None}
+def cufile(probe: bool = True) -> dict[str, Any]:
+    """libcufile: where it is, its version, and the mode transfers of CUDA
+    tensors would get: 'gds' (GPUDirect DMA), 'compat' (cuFile's
+    compatibility mode: aionvme's pinned bounce pipeline serves instead) or
+    None (unavailable), with the reason.
+
+    Opening the cuFile driver initialises CUDA, so unless this process has
+    already opened it, the probe runs in a child process (with cuFile's log
+    in a temporary file, whose last lines are reported).
+    """
+    from . import gpu
+
+    found = gpu.find_library()
+    out: dict[str, Any] = {
+        "library": found,
+        "available": found is not None,
+        "candidates": gpu.library_candidates(),
+        "version": None,
+        "mode": None,
+        "reason": "libcufile.so.0 not found" if found is None else "not probed",
+        "probed": None,
+    }
+    if gpu._driver.ready and gpu._driver.pid == os.getpid():
+        st = gpu.cufile_status()
+        out.update(
+            library=st["library"] or found, version=st["version"], mode=st["mode"], reason=st["reason"]
+        )
+        out.update(probed="in-process", properties=st["properties"])
+        return out
+    if found is None or not probe:
+        return out
+    if not os.environ.get("AIONVME_CUFILE_LIBRARY") and not gpu.nvidia_driver_present():
+        out["reason"] = "no NVIDIA GPU driver here (/dev/nvidiactl and /proc/driver/nvidia are absent)"
+        return out
+    out.update(_probe_cufile())
+    return out
+
+
+def _probe_cufile(timeout: float = 120.0) -> dict[str, Any]:
+    import json
+    import subprocess
+
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory(prefix="aionvme-cufile-") as d:
+        result, log = os.path.join(d, "status.json"), os.path.join(d, "cufile.log")
+        env = dict(os.environ)
+        env["PYTHONPATH"] = pkg_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env.setdefault("CUFILE_LOGFILE_PATH", log)
+        code = f"from aionvme.gpu import probe_main; probe_main({result!r})"
+        try:
+            r = subprocess.run(
+                [sys.executable, "-c", code], env=env, cwd=d, capture_output=True, text=True, timeout=timeout
+            )
+        except subprocess.TimeoutExpired:
+            return {"probed": "subprocess", "reason": f"the cuFile probe did not finish in {timeout:.0f} s"}
+        out: dict[str, Any] = {"probed": "subprocess"}
+        try:
+            with open(result) as f:
+                status = json.load(f)
+        except (OSError, ValueError):
+            tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
+            return {**out, "reason": f"the cuFile probe failed (exit {r.returncode}): {' | '.join(tail)}"}
+        out.update(
+            library=status.get("library"),
+            version=status.get("version"),
+            mode=status.get("mode"),
+            reason=status.get("reason"),
+            properties=status.get("properties"),
+        )
+        lines = []
+        if os.path.exists(log):
+            with open(log, errors="replace") as f:
+                lines = [ln.strip() for ln in f if ln.strip()]
+        printed = [ln.strip() for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+        out["log"] = (lines or printed)[-5:]
+        return out
 
 
 def gpu() -> dict[str, Any]:
@@ -211,12 +270,44 @@ def gpu() -> dict[str, Any]:
         import torch
 
         if torch.cuda.is_available():
-            names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-            return {"cuda": True, "devices": names, "source": "torch.cuda"}
-        return {"cuda": False, "devices": [], "source": f"torch {torch.__version__}: no CUDA device"}
+            n = torch.cuda.device_count()
+            names = [torch.cuda.get_device_name(i) for i in range(n)]
+            details = []
+            for i in range(n):
+                p = torch.cuda.get_device_properties(i)
+                details.append(
+                    {
+                        "index": i,
+                        "name": p.name,
+                        "capability": f"{p.major}.{p.minor}",
+                        "memory_gib": round(p.total_memory / 2**30, 1),
+                    }
+                )
+            return {
+                "cuda": True,
+                "devices": names,
+                "source": f"torch.cuda (CUDA {torch.version.cuda})",
+                "details": details,
+            }
+        return {
+            "cuda": False,
+            "devices": [],
+            "source": f"torch {torch.__version__}: no CUDA device",
+            "details": [],
+        }
     gpus = "/proc/driver/nvidia/gpus"
     devices = sorted(os.listdir(gpus)) if os.path.isdir(gpus) else []
-    return {"cuda": bool(devices), "devices": devices, "source": "/proc/driver/nvidia"}
+    return {"cuda": bool(devices), "devices": devices, "source": "/proc/driver/nvidia", "details": []}
+
+
+def _gpu_transfers() -> dict[str, Any]:
+    """This process's CUDA tensor transfers: counters, files cuFile refused, the pinned pool."""
+    from . import gpu
+
+    st = gpu.stats()
+    st["memlock_budget"] = gpu.memlock_budget()
+    st["gpu_path"] = defaults.settings.gpu_path
+    return st
 
 
 def versions() -> dict[str, str | None]:
@@ -253,6 +344,7 @@ def info(path: str | None = None) -> dict[str, Any]:
         "limits": limits(),
         "cufile": cufile(),
         "gpu": gpu(),
+        "gpu_transfers": _gpu_transfers(),
         "defaults": defaults.get(),
         "platform": {"machine": platform.machine(), "executable": sys.executable},
     }

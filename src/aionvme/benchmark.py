@@ -31,11 +31,14 @@ from .file import pread as nvme_pread
 from .memory import empty
 
 __all__ = [
+    "GPU_WAYS",
     "WORKLOADS",
     "Result",
     "StallMonitor",
     "check_pattern",
     "fill_pattern",
+    "gpu_read",
+    "gpu_write",
     "make_file",
     "manyfiles",
     "randread",
@@ -445,6 +448,101 @@ async def manyfiles(directory: str, *, nfiles: int = 1000, file_size: int = 1 <<
         ok,
         latencies_s=lat,
         params=dict(nfiles=nfiles, file_size=file_size),
+    )
+
+
+# -- GPU ------------------------------------------------------------------------------------------
+
+GPU_WAYS = ("gds", "bounce", "host")
+
+
+def _gpu_pattern(torch: Any, n: int, offset: int, device: Any) -> Any:
+    """The file pattern of bytes [offset, offset+n) as int64 words on the GPU."""
+    words = torch.arange(0, n, 8, dtype=torch.int64, device=device) + offset
+    return torch.bitwise_xor(words, torch.tensor(SEED, dtype=torch.int64, device=device))
+
+
+def _way_used(before: dict[str, Any], after: dict[str, Any]) -> str:
+    gds = after["gds_requests"] - before["gds_requests"]
+    bounce = after["bounce_requests"] - before["bounce_requests"]
+    return "gds" if gds and not bounce else "bounce" if bounce and not gds else f"gds {gds}, bounce {bounce}"
+
+
+async def gpu_read(path: str, *, way: str, request_size: int = 256 << 20, device: str = "cuda") -> Result:
+    """Read the whole file into one CUDA tensor. way: 'gds' or 'bounce' (aionvme's
+    GPU paths, forced with ``gpu_path``), or 'host' (what code without them
+    does: pread into page-aligned host memory, then ``.cuda()``)."""
+    import torch
+
+    from . import gpu
+
+    size = os.path.getsize(path)
+    size -= size % 8
+    dev = torch.device(device)
+    dst = torch.empty(size, dtype=torch.uint8, device=dev)
+    host = empty(size) if way == "host" else None
+    if host is not None:
+        host[::4096] = 1  # faulted in before the clock starts, like fio's buffers
+    offs = list(range(0, size, request_size))
+    get_reactor()
+    before = gpu.stats()
+    with defaults.set(gpu_path=way if way != "host" else "auto"), nvme_open(path) as f, _Meter() as m:
+        if host is None:
+            await asyncio.gather(*(f.pread(dst[o : o + request_size], o) for o in offs))
+        else:
+            await asyncio.gather(*(f.pread(host[o : o + request_size], o) for o in offs))
+            dst.copy_(torch.from_numpy(host))
+        torch.cuda.synchronize(dev)
+    ok = bool(torch.equal(dst.view(torch.int64), _gpu_pattern(torch, size, 0, dev)))
+    used = "host" if host is not None else _way_used(before, gpu.stats())
+    return m.result(
+        "gpu-read",
+        size,
+        len(offs),
+        ok,
+        params=dict(way=way, used=used, request_size=request_size, device=device),
+    )
+
+
+async def gpu_write(
+    path: str, size: int, *, way: str, request_size: int = 256 << 20, device: str = "cuda"
+) -> Result:
+    """Write a CUDA tensor to a fresh file (then fsync; the time includes it).
+    way as for :func:`gpu_read` ('host': ``.cpu()``, then pwrite)."""
+    import torch
+
+    from . import gpu
+
+    size -= size % 8
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    dev = torch.device(device)
+    src = _gpu_pattern(torch, size, 0, dev).view(torch.uint8)
+    torch.cuda.synchronize(dev)
+    offs = list(range(0, size, request_size))
+    get_reactor()
+    before = gpu.stats()
+    with defaults.set(gpu_path=way if way != "host" else "auto"), nvme_open(path, "w") as f, _Meter() as m:
+        if way == "host":
+            host = src.cpu().numpy()
+            await asyncio.gather(*(f.pwrite(host[o : o + request_size], o) for o in offs))
+        else:
+            await asyncio.gather(*(f.pwrite(src[o : o + request_size], o) for o in offs))
+        await f.fsync()
+    ok = os.path.getsize(path) == size
+    if ok:
+        check = empty(min(size, 1 << 20))
+        with nvme_open(path) as f:
+            for off in (0, size // 2 - size // 2 % 8, size - len(check)):
+                f.sync_pread(check, off)
+                ok = ok and check_pattern(check, off)
+    used = "host" if way == "host" else _way_used(before, gpu.stats())
+    return m.result(
+        "gpu-write",
+        size,
+        len(offs),
+        ok,
+        params=dict(way=way, used=used, request_size=request_size, device=device),
     )
 
 

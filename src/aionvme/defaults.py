@@ -31,6 +31,16 @@ single_submit  AIONVME_SINGLE_SUBMIT   one io_submit per chunk instead of one
                                        per batch (used by :class:`Handle`)
 overlap_events AIONVME_OVERLAP_EVENTS  refill the window as chunks complete;
                                        0 = batch-and-wait (used by Handle)
+gpu_path       AIONVME_GPU_PATH        CUDA tensors: ``auto`` (cuFile where it
+                                       does GPUDirect DMA, else pinned bounce
+                                       buffers), ``gds`` (cuFile or an error,
+                                       also in its compatibility mode) or
+                                       ``bounce`` (never cuFile)
+gpu_block_size AIONVME_GPU_BLOCK_SIZE  bytes per cuFile call (calls run in
+                                       parallel) and per pinned bounce buffer
+pinned_pool    AIONVME_PINNED_POOL     bytes of pinned host memory for bounce
+                                       buffers, per process (allocated once,
+                                       kept under RLIMIT_MEMLOCK)
 ============== ======================= ========================================
 
 Engine-shaping settings (queue_depth, threads, engine, ring_reap) apply to
@@ -53,6 +63,7 @@ from typing import Any
 __all__ = ["Settings", "get", "load_config", "parse_size", "read_config", "set", "settings"]
 
 _ENGINES = ("auto", "aio", "thread")
+_GPU_PATHS = ("auto", "gds", "bounce")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -92,6 +103,9 @@ class Settings:
     inflight_bytes: int = 64 << 20
     single_submit: bool = False
     overlap_events: bool = True
+    gpu_path: str = "auto"
+    gpu_block_size: int = 4 << 20
+    pinned_pool: int = 64 << 20
 
     def __post_init__(self) -> None:
         if self.block_size < 4096 or self.block_size % 4096:
@@ -106,6 +120,15 @@ class Settings:
             raise ValueError(f"max_inflight must be >= 0, got {self.max_inflight}")
         if self.submit_budget < 0 or self.inflight_bytes < 0:
             raise ValueError("submit_budget and inflight_bytes must be >= 0 (0: no limit)")
+        if self.gpu_path not in _GPU_PATHS:
+            raise ValueError(f"gpu_path must be one of {_GPU_PATHS}, got {self.gpu_path!r}")
+        if self.gpu_block_size < 4096 or self.gpu_block_size % 4096:
+            raise ValueError(f"gpu_block_size must be a positive multiple of 4096, got {self.gpu_block_size}")
+        if self.pinned_pool < 2 * self.gpu_block_size:
+            raise ValueError(
+                f"pinned_pool ({self.pinned_pool}) must hold at least two gpu_block_size buffers "
+                f"({2 * self.gpu_block_size}): one is read while the other is copied"
+            )
 
     @classmethod
     def coerce(cls, **values: Any) -> dict[str, Any]:
@@ -115,13 +138,13 @@ class Settings:
         for k, v in values.items():
             if k not in names:
                 raise TypeError(f"unknown setting {k!r}; known: {sorted(names)}")
-            if k in ("block_size", "submit_budget", "inflight_bytes"):
+            if k in ("block_size", "submit_budget", "inflight_bytes", "gpu_block_size", "pinned_pool"):
                 v = parse_size(v)
             elif k in ("queue_depth", "threads", "max_inflight"):
                 v = int(v)
             elif k in ("direct", "ring_reap", "single_submit", "overlap_events"):
                 v = _parse_bool(v)
-            elif k == "engine":
+            elif k in ("engine", "gpu_path"):
                 v = str(v).lower()
             out[k] = v
         return out
@@ -276,7 +299,9 @@ def _from_deepspeed(section: Any) -> dict[str, Any]:
     depth = int(aio["queue_depth"]) * max(1, int(aio["intra_op_parallelism"]))
     if _parse_bool(aio["use_gds"]):
         warnings.warn(
-            "use_gds: GPUDirect Storage is not used by this aionvme build; the other knobs apply to host I/O",
+            "use_gds: this section's knobs apply to host I/O; aionvme moves CUDA tensors with "
+            "GPUDirect Storage by itself where available (aionvme.defaults gpu_path='auto', or 'gds' "
+            "to require it)",
             UserWarning,
             stacklevel=3,
         )

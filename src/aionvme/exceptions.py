@@ -27,6 +27,7 @@ __all__ = [
     "ShortReadError",
     "ShortWriteError",
     "UnsupportedOperation",
+    "cufile_error",
     "os_error",
 ]
 
@@ -111,14 +112,125 @@ class ShortWriteError(AionvmeError, OSError):
 
 
 class CuFileError(AionvmeError, OSError):
-    """A cuFile (GPUDirect Storage) call failed; ``code`` and ``code_name`` are cuFile's."""
+    """A cuFile (GPUDirect Storage) call failed.
+
+    ``code`` is cuFile's ``CUfileOpError`` (5001 and up), ``code_name`` its
+    ``CU_FILE_*`` name, ``cu_err`` the CUDA driver's ``CUresult`` when cuFile
+    reports one (``CU_FILE_CUDA_DRIVER_ERROR``). ``errno`` is EIO.
+    """
 
     def __init__(
-        self, code: int, code_name: str, message: str, filename: object = None, err: int = _errno.EIO
+        self,
+        code: int,
+        code_name: str,
+        message: str,
+        filename: object = None,
+        err: int = _errno.EIO,
+        cu_err: int | None = None,
     ) -> None:
-        super().__init__(err, f"{message}: cuFile error {code} ({code_name})", filename)
+        cuda = f", CUDA driver error {cu_err}" if cu_err else ""
+        super().__init__(err, f"{message}: cuFile error {code} ({code_name}{cuda})", filename)
         self.code = code
         self.code_name = code_name
+        self.cu_err = cu_err
+        self._message = message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            type(self),
+            (self.code, self.code_name, self._message, self.filename, self.errno, self.cu_err),
+        )
+
+
+# cuFile's status codes: CUfileOpError in cufile.h (CUFILEOP_STATUS_ENTRIES,
+# cuFile 1.15), CUFILEOP_BASE_ERR (5000) + n. Name and cuFile's own text.
+CUFILEOP_BASE_ERR = 5000
+CUFILE_ERRORS: dict[int, tuple[str, str]] = {
+    5001: (
+        "CU_FILE_DRIVER_NOT_INITIALIZED",
+        "nvidia-fs driver is not loaded. Set allow_compat_mode to true in cufile.json file "
+        "to enable compatible mode",
+    ),
+    5002: ("CU_FILE_DRIVER_INVALID_PROPS", "invalid property"),
+    5003: ("CU_FILE_DRIVER_UNSUPPORTED_LIMIT", "property range error"),
+    5004: ("CU_FILE_DRIVER_VERSION_MISMATCH", "nvidia-fs driver version mismatch"),
+    5005: ("CU_FILE_DRIVER_VERSION_READ_ERROR", "nvidia-fs driver version read error"),
+    5006: ("CU_FILE_DRIVER_CLOSING", "driver shutdown in progress"),
+    5007: ("CU_FILE_PLATFORM_NOT_SUPPORTED", "GPUDirect Storage not supported on current platform"),
+    5008: ("CU_FILE_IO_NOT_SUPPORTED", "GPUDirect Storage not supported on current file"),
+    5009: ("CU_FILE_DEVICE_NOT_SUPPORTED", "GPUDirect Storage not supported on current GPU"),
+    5010: ("CU_FILE_NVFS_DRIVER_ERROR", "nvidia-fs driver ioctl error"),
+    5011: ("CU_FILE_CUDA_DRIVER_ERROR", "CUDA Driver API error"),
+    5012: ("CU_FILE_CUDA_POINTER_INVALID", "invalid device pointer"),
+    5013: ("CU_FILE_CUDA_MEMORY_TYPE_INVALID", "invalid pointer memory type"),
+    5014: ("CU_FILE_CUDA_POINTER_RANGE_ERROR", "pointer range exceeds allocated address range"),
+    5015: ("CU_FILE_CUDA_CONTEXT_MISMATCH", "cuda context mismatch"),
+    5016: ("CU_FILE_INVALID_MAPPING_SIZE", "access beyond maximum pinned size"),
+    5017: ("CU_FILE_INVALID_MAPPING_RANGE", "access beyond mapped size"),
+    5018: ("CU_FILE_INVALID_FILE_TYPE", "unsupported file type"),
+    5019: ("CU_FILE_INVALID_FILE_OPEN_FLAG", "unsupported file open flags"),
+    5020: ("CU_FILE_DIO_NOT_SET", "fd direct IO not set"),
+    5022: ("CU_FILE_INVALID_VALUE", "invalid arguments"),
+    5023: ("CU_FILE_MEMORY_ALREADY_REGISTERED", "device pointer already registered"),
+    5024: ("CU_FILE_MEMORY_NOT_REGISTERED", "device pointer lookup failure"),
+    5025: ("CU_FILE_PERMISSION_DENIED", "driver or file access error"),
+    5026: ("CU_FILE_DRIVER_ALREADY_OPEN", "driver is already open"),
+    5027: ("CU_FILE_HANDLE_NOT_REGISTERED", "file descriptor is not registered"),
+    5028: ("CU_FILE_HANDLE_ALREADY_REGISTERED", "file descriptor is already registered"),
+    5029: ("CU_FILE_DEVICE_NOT_FOUND", "GPU device not found"),
+    5030: ("CU_FILE_INTERNAL_ERROR", "internal error"),
+    5031: ("CU_FILE_GETNEWFD_FAILED", "failed to obtain new file descriptor"),
+    5033: ("CU_FILE_NVFS_SETUP_ERROR", "NVFS driver initialization error"),
+    5034: ("CU_FILE_IO_DISABLED", "GPUDirect Storage disabled by config on current file"),
+    5035: ("CU_FILE_BATCH_SUBMIT_FAILED", "failed to submit batch operation"),
+    5036: ("CU_FILE_GPU_MEMORY_PINNING_FAILED", "failed to allocate pinned GPU Memory"),
+    5037: ("CU_FILE_BATCH_FULL", "queue full for batch operation"),
+    5038: ("CU_FILE_ASYNC_NOT_SUPPORTED", "cuFile stream operation not supported"),
+    5039: ("CU_FILE_INTERNAL_BATCH_SETUP_ERROR", "batch setup internal error - retry later"),
+    5040: ("CU_FILE_INTERNAL_BATCH_SUBMIT_ERROR", "batch submit internal error - retry later"),
+    5041: ("CU_FILE_INTERNAL_BATCH_GETSTATUS_ERROR", "batch get status internal error - retry later"),
+    5042: ("CU_FILE_INTERNAL_BATCH_CANCEL_ERROR", "batch cancel internal error - retry later"),
+    5043: ("CU_FILE_NOMEM_ERROR", "cufile no memory error - retry later"),
+    5044: ("CU_FILE_IO_ERROR", "cufile io error"),
+    5045: ("CU_FILE_INTERNAL_BUF_REGISTER_ERROR", "cufile buf registration error"),
+    5046: ("CU_FILE_HASH_OPR_ERROR", "cufile hash operation error"),
+    5047: ("CU_FILE_INVALID_CONTEXT_ERROR", "cufile invalid context error"),
+    5048: ("CU_FILE_NVFS_INTERNAL_DRIVER_ERROR", "nvfs internal driver error"),
+    5049: ("CU_FILE_BATCH_NOCOMPAT_ERROR", "compat mode off error"),
+}
+
+
+def cufile_error(
+    code: int,
+    filename: object = None,
+    *,
+    offset: int | None = None,
+    nbytes: int | None = None,
+    op: str | None = None,
+    cu_err: int | None = None,
+) -> OSError:
+    """The exception for a failed cuFile call.
+
+    ``code`` is what the call reported, in either sign: a ``CUfileOpError``
+    (cuFile's own failures, >= 5000) gives :class:`CuFileError` with its
+    ``CU_FILE_*`` name; anything smaller is an errno (cuFileRead/cuFileWrite
+    return -1 and set errno for filesystem errors) and goes through
+    :func:`os_error`, so a missing file is still a ``FileNotFoundError``.
+    """
+    code = abs(code)
+    if code < CUFILEOP_BASE_ERR:
+        return os_error(code or _errno.EIO, filename, offset=offset, nbytes=nbytes, op=op)
+    name, text = CUFILE_ERRORS.get(code, ("CU_FILE_UNKNOWN_ERROR", "unknown cuFile error"))
+    where = op or "cuFile"
+    if nbytes is not None:
+        where += f" of {nbytes} bytes"
+    if offset is not None:
+        where += f" failed at offset {offset}"
+    exc = CuFileError(code, name, f"{text} ({where})", filename, cu_err=cu_err)
+    exc.offset = offset  # type: ignore[attr-defined]
+    exc.nbytes = nbytes  # type: ignore[attr-defined]
+    exc.op = op  # type: ignore[attr-defined]
+    return exc
 
 
 def os_error(

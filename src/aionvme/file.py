@@ -13,7 +13,7 @@ import weakref
 from collections.abc import Awaitable, Iterable
 from typing import Any
 
-from . import _sync, defaults
+from . import _sync, defaults, gpu
 from ._engine import (
     KERNEL_AIO,
     MODE_NO_OVERLAP,
@@ -360,11 +360,15 @@ class File:
         many needs no Task per call.
         """
         r = get_reactor()
+        if gpu.is_cuda(buf):
+            return gpu.submit(r, self._handle(), False, False, [(buf, offset)], self._params())
         return r.submit(r.engine.read(self._handle(), buf, offset, *self._params()))
 
     def pwrite(self, buf: Any, offset: int = 0) -> Awaitable[int]:
         """Write all of buf at offset (the file grows as needed; never truncated)."""
         r = get_reactor()
+        if gpu.is_cuda(buf):
+            return gpu.submit(r, self._handle(), False, True, [(buf, offset)], self._params())
         return r.submit(r.engine.write(self._handle(), buf, offset, *self._params()))
 
     def pread_many(self, items: Iterable[tuple[Any, int]]) -> Awaitable[int]:
@@ -373,12 +377,18 @@ class File:
         The batch succeeds or raises as a unit; a short read names the item.
         """
         r = get_reactor()
-        return r.submit(r.engine.readv(self._handle(), items, *self._params()))
+        lst = list(items)
+        if gpu.any_cuda(lst):
+            return gpu.submit(r, self._handle(), False, False, lst, self._params())
+        return r.submit(r.engine.readv(self._handle(), lst, *self._params()))
 
     def pwrite_many(self, items: Iterable[tuple[Any, int]]) -> Awaitable[int]:
         """Write each (buffer, offset) pair; one future for the whole batch."""
         r = get_reactor()
-        return r.submit(r.engine.writev(self._handle(), items, *self._params()))
+        lst = list(items)
+        if gpu.any_cuda(lst):
+            return gpu.submit(r, self._handle(), False, True, lst, self._params())
+        return r.submit(r.engine.writev(self._handle(), lst, *self._params()))
 
     def fsync(self) -> Awaitable[int]:
         """fsync on a worker thread (the loop keeps running)."""
@@ -392,16 +402,30 @@ class File:
     # -- blocking I/O (no event loop needed; waits with the GIL released) ----------
 
     def sync_pread(self, buf: Any, offset: int = 0) -> int:
+        if gpu.is_cuda(buf):
+            return self._sync(False, [(buf, offset)])
         return _sync.run(_sync.thread_engine().read(self._handle(), buf, offset, *self._params()))
 
     def sync_pwrite(self, buf: Any, offset: int = 0) -> int:
+        if gpu.is_cuda(buf):
+            return self._sync(True, [(buf, offset)])
         return _sync.run(_sync.thread_engine().write(self._handle(), buf, offset, *self._params()))
 
     def sync_pread_many(self, items: Iterable[tuple[Any, int]]) -> int:
-        return _sync.run(_sync.thread_engine().readv(self._handle(), items, *self._params()))
+        lst = list(items)
+        if gpu.any_cuda(lst):
+            return self._sync(False, lst)
+        return _sync.run(_sync.thread_engine().readv(self._handle(), lst, *self._params()))
 
     def sync_pwrite_many(self, items: Iterable[tuple[Any, int]]) -> int:
-        return _sync.run(_sync.thread_engine().writev(self._handle(), items, *self._params()))
+        lst = list(items)
+        if gpu.any_cuda(lst):
+            return self._sync(True, lst)
+        return _sync.run(_sync.thread_engine().writev(self._handle(), lst, *self._params()))
+
+    def _sync(self, write: bool, items: list[tuple[Any, int]]) -> int:
+        """A blocking transfer with CUDA tensors among the items."""
+        return gpu.run_sync(_sync.thread_engine(), self._handle(), False, write, items, self._params())
 
     def sync_fsync(self) -> None:
         _sync.run(_sync.thread_engine().fsync(self._handle(), False))
@@ -496,8 +520,9 @@ def pread(
 
     Parameters
     ----------
-    buf : numpy array, torch CPU tensor, bytearray, memoryview, mmap, ...
-        Contiguous and writable.
+    buf : numpy array, torch tensor (CPU or CUDA), bytearray, memoryview, mmap, ...
+        Contiguous and writable. CUDA tensors go through cuFile (GPUDirect
+        Storage) or pinned bounce buffers: see :mod:`aionvme.gpu`.
     file : path, :class:`File` or fd
         A path is opened for this call (O_DIRECT) and closed after it.
     offset : int
@@ -519,6 +544,8 @@ def pread(
     """
     r = get_reactor()
     h, temporary = _handle_for(file, write=False)
+    if gpu.is_cuda(buf):
+        return gpu.submit(r, h, temporary, False, [(buf, offset)], _params(block_size, parallelism))
     try:
         req = r.engine.read(h, buf, offset, *_params(block_size, parallelism))
     finally:
@@ -542,6 +569,8 @@ def pwrite(
     """
     r = get_reactor()
     h, temporary = _handle_for(file, write=True)
+    if gpu.is_cuda(buf):
+        return gpu.submit(r, h, temporary, True, [(buf, offset)], _params(block_size, parallelism))
     try:
         req = r.engine.write(h, buf, offset, *_params(block_size, parallelism))
     finally:
@@ -560,8 +589,11 @@ def pread_many(
     """Fill each (buffer, offset) pair from one file; one future for all."""
     r = get_reactor()
     h, temporary = _handle_for(file, write=False)
+    lst = list(items)
+    if gpu.any_cuda(lst):
+        return gpu.submit(r, h, temporary, False, lst, _params(block_size, parallelism))
     try:
-        req = r.engine.readv(h, items, *_params(block_size, parallelism))
+        req = r.engine.readv(h, lst, *_params(block_size, parallelism))
     finally:
         if temporary:
             h.close()
@@ -578,8 +610,11 @@ def pwrite_many(
     """Write each (buffer, offset) pair to one file; one future for all."""
     r = get_reactor()
     h, temporary = _handle_for(file, write=True)
+    lst = list(items)
+    if gpu.any_cuda(lst):
+        return gpu.submit(r, h, temporary, True, lst, _params(block_size, parallelism))
     try:
-        req = r.engine.writev(h, items, *_params(block_size, parallelism))
+        req = r.engine.writev(h, lst, *_params(block_size, parallelism))
     finally:
         if temporary:
             h.close()

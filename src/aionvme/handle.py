@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from . import _sync, defaults
+from . import _sync, defaults, gpu
 from ._engine import MODE_NO_OVERLAP, MODE_SINGLE_SUBMIT, Engine, FileHandle, Request
 from ._reactor import Reactor, get_reactor, new_engine
 from .exceptions import EngineClosedError, os_error
@@ -307,23 +307,51 @@ class Handle:
 
     def _queue(self, eng: Engine, kind: int, fh: FileHandle, data: Any = None, offset: int = 0) -> Request:
         """Queue one request on an open file handle with this handle's knobs."""
-        s = self._settings
+        p = self._params()
         if kind == _READ:
-            return eng.read(fh, data, offset, s.block_size, s.max_inflight, self._mode)
+            return eng.read(fh, data, offset, *p)
         if kind == _WRITE:
-            return eng.write(fh, data, offset, s.block_size, s.max_inflight, self._mode)
+            return eng.write(fh, data, offset, *p)
         if kind == _READV:
-            return eng.readv(fh, data, s.block_size, s.max_inflight, self._mode)
+            return eng.readv(fh, data, *p)
         if kind == _WRITEV:
-            return eng.writev(fh, data, s.block_size, s.max_inflight, self._mode)
+            return eng.writev(fh, data, *p)
         return eng.fsync(fh, kind == _FDATASYNC)
+
+    def _gpu_items(self, kind: int, data: Any, offset: int) -> list[tuple[Any, int]] | None:
+        """The (buffer, offset) items of a transfer holding CUDA tensors, else None."""
+        if kind in (_READ, _WRITE):
+            return [(data, offset)] if gpu.is_cuda(data) else None
+        if kind in (_READV, _WRITEV):
+            return data if gpu.any_cuda(data) else None  # data: a list (see _submit)
+        return None
+
+    def _params(self) -> tuple[int, int, int]:
+        s = self._settings
+        return (s.block_size, s.max_inflight, self._mode)
 
     def _submit(self, kind: int, file: FileLike, data: Any = None, offset: int = 0) -> Awaitable[int]:
         r = self._reactor()
+        if kind in (_READV, _WRITEV):
+            data = list(data)
+        items = self._gpu_items(kind, data, offset)
+        if items is not None:
+            fh, temporary = self._open(file, kind in _WRITES)
+            return gpu.submit(r, fh, temporary, kind in _WRITES, items, self._params())
         return r.submit(self._make(r.engine, kind, file, data, offset))
 
     def _run(self, kind: int, file: FileLike, data: Any = None, offset: int = 0) -> int:
         eng, pooled = self._take_sync_engine()
+        if kind in (_READV, _WRITEV):
+            data = list(data)
+        items = self._gpu_items(kind, data, offset)
+        if items is not None:
+            try:
+                fh, temporary = self._open(file, kind in _WRITES)
+                return gpu.run_sync(eng, fh, temporary, kind in _WRITES, items, self._params())
+            finally:
+                if pooled:
+                    self._give_back(eng)
         try:
             req = self._make(eng, kind, file, data, offset)
             eng.run(req)

@@ -40,13 +40,19 @@ def empty(
     dtype : numpy or torch dtype, or its name ('float16', 'bfloat16', ...)
     like : {'numpy', 'torch'}
     pinned : bool
-        Also page-lock the memory for fast CUDA copies (torch only; needs CUDA).
+        Also page-lock the memory for CUDA (``cudaHostRegister``), so copies
+        to and from the GPU are asynchronous DMA: a tensor that is both on
+        the zero-copy O_DIRECT path and a fast staging buffer. torch only;
+        raises :class:`~aionvme.DeviceError` without CUDA.
 
     Notes
     -----
     The memory comes from an anonymous mmap: aligned to the page size, which
     satisfies O_DIRECT on every device, and freed when the last array or
-    tensor viewing it goes away.
+    tensor viewing it goes away (pinned memory is unregistered from CUDA
+    first). torch's own ``pin_memory=True`` memory comes from its caching
+    host allocator, whose alignment is not documented: this one is aligned
+    by construction.
     """
     shp = (shape,) if isinstance(shape, int) else tuple(shape)
     if any(d < 0 for d in shp):
@@ -64,11 +70,13 @@ def empty(
 
         tdt = _torch_dtype(dtype)
         itemsize = torch.empty(0, dtype=tdt).element_size()
-        raw = np.frombuffer(memoryview(AlignedBuffer(count * itemsize)), dtype=np.uint8)
-        t = torch.from_numpy(raw).view(tdt).reshape(shp)
+        buf = AlignedBuffer(count * itemsize)
         if pinned:
-            raise NotImplementedError("pinned=True arrives with the GPU support")
-        return t
+            from . import gpu
+
+            gpu.pin(buf)  # DeviceError without CUDA; unpinned again just before the pages go
+        raw = np.frombuffer(memoryview(buf), dtype=np.uint8)
+        return torch.from_numpy(raw).view(tdt).reshape(shp)
     raise ValueError(f"like must be 'numpy' or 'torch', got {like!r}")
 
 

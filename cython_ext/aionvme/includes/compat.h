@@ -52,6 +52,10 @@ struct aionvme_aio_ring {
 };
 #define AIONVME_AIO_RING_MAGIC 0xa10a10a1U
 
+/* errno is thread-local: a worker clears it before a call that reports
+ * failures as -1 + errno (Cython cannot assign the macro itself). */
+static inline void aionvme_clear_errno(void) { errno = 0; }
+
 #define aionvme_load_acquire(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
 #define aionvme_atomic_load(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
 #define aionvme_atomic_add(p, v) ((void)__atomic_fetch_add((p), (v), __ATOMIC_ACQ_REL))

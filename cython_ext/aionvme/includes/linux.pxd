@@ -51,6 +51,7 @@ cdef extern from "<unistd.h>" nogil:
     int close(int fd)
     int fsync(int fd)
     int fdatasync(int fd)
+    int dup2(int oldfd, int newfd)
     int ftruncate(int fd, long length)
     long sysconf(int name)
     int getpid()
@@ -60,6 +61,10 @@ cdef extern from "<unistd.h>" nogil:
 
 cdef extern from "<fcntl.h>" nogil:
     int fallocate(int fd, int mode, long offset, long len)
+    int fcntl(int fd, int cmd, ...)
+    enum:
+        F_GETFD
+        F_DUPFD_CLOEXEC
 
 
 cdef extern from "<sys/stat.h>" nogil:
@@ -127,6 +132,7 @@ cdef extern from "compat.h" nogil:
         uint32_t stx_dio_mem_align
         uint32_t stx_dio_offset_align
     int aionvme_fstatx(int fd, aionvme_statx *out)
+    void aionvme_clear_errno()
     unsigned AIONVME_STATX_DIOALIGN
 
     struct aionvme_aio_ring:

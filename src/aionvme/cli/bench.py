@@ -76,6 +76,14 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         help="repeat the workloads for each value of a setting, e.g. block_size=256K,1M,4M",
     )
     p.add_argument("--plot", default=None, metavar="OUT.png", help="with --sweep: plot MB/s per value")
+    p.add_argument(
+        "--gpu",
+        action="store_true",
+        help="measure NVMe->GPU and GPU->NVMe instead: cuFile (gds), the pinned bounce pipeline "
+        "(bounce) and host memory + .cuda()/.cpu() (host), each against the same file",
+    )
+    p.add_argument("--gpu-ways", default="gds,bounce,host", help="with --gpu: the ways to measure")
+    p.add_argument("--device", default="cuda", help="with --gpu: the CUDA device (cuda, cuda:1, ...)")
     p.add_argument("--json", action="store_true", help="print results as JSON")
     p.add_argument("--keep", action="store_true", help="keep the test files")
 
@@ -259,9 +267,94 @@ def _plot(path: str, setting: str, values: list[str], results: dict[str, list[di
     fig.savefig(path, dpi=120)
 
 
+def _gpu_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from aionvme import benchmark as B
+    from aionvme import gpu
+    from aionvme.defaults import parse_size
+
+    size = parse_size(args.size)
+    rs = parse_size(args.request_size)
+    ways = [w.strip() for w in args.gpu_ways.split(",") if w.strip()]
+    bad = [w for w in ways if w not in B.GPU_WAYS]
+    if bad:
+        raise SystemExit(f"unknown --gpu-ways: {', '.join(bad)} (known: {', '.join(B.GPU_WAYS)})")
+    rows: list[dict[str, Any]] = []
+    status = gpu.cufile_status()
+    with scratch_dir(args.dir, keep=args.keep) as workdir:
+        path = args.file or os.path.join(workdir, "gpu.bin")
+        B.make_file(path, size)
+        for way in ways:
+            if way == "gds" and status["mode"] is None:
+                for name in ("gpu-read", "gpu-write"):
+                    rows.append(dict(workload=name, way=way, unavailable=status["reason"]))
+                continue
+            label = f"gds ({status['mode']})" if way == "gds" else way
+            for repeat in range(args.repeat):
+                if os.geteuid() == 0:
+                    drop_caches()
+                r = run_loop(B.gpu_read(path, way=way, request_size=rs, device=args.device), args.loop)
+                w = run_loop(
+                    B.gpu_write(
+                        os.path.join(workdir, "gpu-w.bin"), size, way=way, request_size=rs, device=args.device
+                    ),
+                    args.loop,
+                )
+                for res in (r, w):
+                    row = dict(res.summary())
+                    row.update(way=label, repeat=repeat, gb_s=round(res.nbytes / res.wall_s / 1e9, 3))
+                    rows.append(row)
+    return rows
+
+
+def _gpu_table(rows: list[dict[str, Any]]) -> str:
+    host = {r["workload"]: r["gb_s"] for r in rows if r.get("way") == "host" and "gb_s" in r}
+    out = [f"{'direction':<10} {'way':<14} {'GB/s':>8} {'vs host':>8} {'path used':<10} ok"]
+    for r in rows:
+        direction = "NVMe->GPU" if r["workload"] == "gpu-read" else "GPU->NVMe"
+        if "unavailable" in r:
+            out.append(f"{direction:<10} {r['way']:<14} {'-':>8} {'-':>8} unavailable: {r['unavailable']}")
+            continue
+        base = host.get(r["workload"])
+        ratio = f"{r['gb_s'] / base:.2f}x" if base else "-"
+        used = (r.get("params") or {}).get("used", "")
+        out.append(
+            f"{direction:<10} {r['way']:<14} {r['gb_s']:>8.2f} {ratio:>8} {used:<10} "
+            + ("yes" if r["verified"] else "NO")
+        )
+    return "\n".join(out)
+
+
+def _run_gpu(args: argparse.Namespace) -> int:
+    try:
+        import torch
+    except ImportError:
+        print("aionvme bench: --gpu needs a CUDA device: torch is not installed", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print(
+            "aionvme bench: --gpu needs a CUDA device: torch.cuda.is_available() is False "
+            f"(torch {torch.__version__}; a CPU-only build or no visible GPU)",
+            file=sys.stderr,
+        )
+        return 2
+    rows = _gpu_rows(args)
+    if args.json:
+        from aionvme import gpu
+
+        print(
+            json.dumps(dict(device=torch.cuda.get_device_name(args.device), cufile=gpu.stats(), results=rows))
+        )
+    else:
+        print(f"aionvme bench --gpu on {torch.cuda.get_device_name(args.device)}, {args.size} per transfer")
+        print(_gpu_table(rows))
+    return 0 if all(r.get("verified", True) for r in rows) else 1
+
+
 def run(args: argparse.Namespace) -> int:
     from aionvme import defaults
 
+    if args.gpu:
+        return _run_gpu(args)
     names = _workloads(args.workload)
     args._mode = args.mode
     settings: dict[str, Any] = {}

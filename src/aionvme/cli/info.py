@@ -96,13 +96,49 @@ def rows(d: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         )
     )
 
-    cf = d["cufile"]
-    out.append(
-        ("gpu", "cuFile", cf["library"] or "libcufile.so.0 not found", OK if cf["available"] else NOTE)
-    )
     g = d["gpu"]
-    devices = ", ".join(g["devices"]) if g["devices"] else "none"
-    out.append(("gpu", "CUDA devices", f"{devices} ({g['source']})", OK if g["cuda"] else NOTE))
+    if g.get("details"):
+        for dev in g["details"]:
+            desc = f"{dev['name']}, compute {dev['capability']}, {dev['memory_gib']} GiB ({g['source']})"
+            out.append(("gpu", f"cuda:{dev['index']}", desc, OK))
+    else:
+        devices = ", ".join(g["devices"]) if g["devices"] else "none"
+        out.append(("gpu", "CUDA devices", f"{devices} ({g['source']})", OK if g["cuda"] else NOTE))
+    cf = d["cufile"]
+    lib = cf["library"] or "libcufile.so.0 not found"
+    if cf.get("version"):
+        lib += f" (cuFile {cf['version']})"
+    out.append(("gpu", "cuFile", lib, OK if cf["available"] else NOTE))
+    mode = cf.get("mode")
+    label = {"gds": "GDS", "compat": "compat"}.get(mode or "", "unavailable")
+    out.append(("gpu", "cuFile mode", f"{label}: {cf['reason']}", OK if mode == "gds" else NOTE))
+    for line in cf.get("log") or []:
+        out.append(("gpu", "", f"cuFile log: {line}", NOTE))
+    t = d.get("gpu_transfers") or {}
+    if t:
+        path = {
+            "auto": "GDS where cuFile does GPUDirect DMA, else pinned bounce buffers",
+            "gds": "cuFile only",
+            "bounce": "pinned bounce buffers only",
+        }.get(t.get("gpu_path", ""), "")
+        out.append(("gpu", "CUDA tensors", f"gpu_path={t.get('gpu_path')}: {path}", NOTE))
+        budget = t.get("memlock_budget")
+        out.append(
+            (
+                "gpu",
+                "pinned pool",
+                f"{human_bytes(d['defaults'].get('pinned_pool', 0))} in "
+                f"{human_bytes(d['defaults'].get('gpu_block_size', 0))} buffers; "
+                + (
+                    "page-locking unbounded"
+                    if budget is None
+                    else f"{human_bytes(budget)} may be page-locked"
+                ),
+                NOTE,
+            )
+        )
+        if t.get("last_refusal"):
+            out.append(("gpu", "last refusal", str(t["last_refusal"]), WARN))
 
     for name, ver in d["versions"].items():
         out.append(("versions", name, ver or "not installed", NOTE))

@@ -275,12 +275,10 @@ def _staging(total: int, sources: list[Source]) -> _Staging:
     base = _spare.pop(pinned, None)
     if base is None or base.nbytes < total:
         base = None  # too small: drop it before allocating the new one
-        if pinned:
-            import torch
-
-            base = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=True)
-        else:
-            base = empty(max(total, 1))
+        # Pinned: page-aligned and CUDA-pinned, so the device-to-host copies
+        # are DMA and the O_DIRECT write takes the buffer as it is (torch's own
+        # pinned memory has no documented alignment: it could be bounced).
+        base = empty(max(total, 1), like="torch", pinned=True) if pinned else empty(max(total, 1))
     return _Staging(base, pinned, total, uses_torch)
 
 
