@@ -67,18 +67,24 @@ def test_single_submit_issues_one_io_submit_per_chunk(make_file):
         _, d = delta(h, h.sync_pread, buf, path)
         assert (d["submit_calls"], d["submitted"]) == (8, 8)
     assert np.array_equal(buf, data)
-    with Handle(queue_depth=32, single_submit=False) as h:
+    with nvme.defaults.set(submit_ramp=0), Handle(queue_depth=32, single_submit=False) as h:
         _, d = delta(h, h.sync_pread, buf, path)
         assert (d["submit_calls"], d["submitted"]) == (1, 8)
+    with Handle(queue_depth=32, single_submit=False) as h:  # the default ramp: 2, 4, 2
+        _, d = delta(h, h.sync_pread, buf, path)
+        assert (d["submit_calls"], d["submitted"]) == (3, 8)
 
 
 @pytest.mark.parametrize("ipp, windows", [(1, 8), (2, 4), (4, 2), (0, 1)])
 def test_intra_op_parallelism_is_the_window_of_one_request(make_file, ipp, windows):
-    # With batch-and-wait each io_submit carries one whole window, so the call
-    # count shows how many chunks of the request were in flight together.
+    # With batch-and-wait and no submit ramp each io_submit carries one whole
+    # window, so the call count shows how many chunks were in flight together.
     path, data = make_file(8 * MiB)
     buf = nvme.empty(8 * MiB)
-    with Handle(queue_depth=32, intra_op_parallelism=ipp, overlap_events=False) as h:
+    with (
+        nvme.defaults.set(submit_ramp=0),
+        Handle(queue_depth=32, intra_op_parallelism=ipp, overlap_events=False) as h,
+    ):
         assert h.mode & MODE_NO_OVERLAP
         _, d = delta(h, h.sync_pread, buf, path)
     assert (d["submit_calls"], d["submitted"]) == (windows, 8)
@@ -88,7 +94,7 @@ def test_intra_op_parallelism_is_the_window_of_one_request(make_file, ipp, windo
 def test_queue_depth_caps_the_chunks_in_flight(make_file):
     path, data = make_file(8 * MiB)
     buf = nvme.empty(8 * MiB)
-    with Handle(queue_depth=2, overlap_events=False) as h:  # window = free slots = 2
+    with nvme.defaults.set(submit_ramp=0), Handle(queue_depth=2, overlap_events=False) as h:  # window = 2
         assert h.stats()["queue_depth"] == 2
         _, d = delta(h, h.sync_pread, buf, path)
     assert (d["submit_calls"], d["submitted"]) == (4, 8)
@@ -155,7 +161,7 @@ def test_overlap_events_slides_the_window_on_a_slow_device(tmp_path):
     with _slow_file(tmp_path, data, read_iops=10) as path:
         for overlap in (False, True):
             knobs = {"block_size": "64K", "queue_depth": 32, "intra_op_parallelism": 4}
-            with Handle(**knobs, overlap_events=overlap) as h:
+            with nvme.defaults.set(submit_ramp=0), Handle(**knobs, overlap_events=overlap) as h:
                 buf[:] = 0
                 _, d = delta(h, h.sync_pread, buf, path)
                 assert np.array_equal(buf, data)

@@ -43,11 +43,35 @@ async def _burst_submit_calls(path: str, n: int) -> int:
 
 def test_one_io_submit_per_tick_for_a_burst(make_file):
     path, data = make_file(1 << 20)
-    with nvme.defaults.set(submit_batch=0):
+    with nvme.defaults.set(submit_batch=0, submit_ramp=0):
         assert asyncio.run(_burst_submit_calls(path, 100)) == 1
-    # by default every submit_batch requests of the iteration go at once: batched, and earlier
+    # the ramp: 2, 4, 8, 16, 32 iocbs, then the last 38, in six calls
+    with nvme.defaults.set(submit_batch=0, submit_ramp=2):
+        assert asyncio.run(_burst_submit_calls(path, 100)) == 6
+    # by default every submit_batch requests of the iteration go at once
+    # (batched, and earlier), each batch ramped: 12 = 2 + 4 + 6
     per_call = nvme.defaults.get("submit_batch")
-    assert asyncio.run(_burst_submit_calls(path, 100)) <= -(-100 // per_call)
+    assert nvme.defaults.get("submit_ramp") == 2
+    assert asyncio.run(_burst_submit_calls(path, 100)) <= 3 * -(-100 // per_call)
+
+
+async def _one_request_submit_calls(path: str, buf: np.ndarray) -> int:
+    async with nvme.open(path, block_size="32K") as f:
+        before = nvme.stats()["submit_calls"]
+        assert await f.pread(buf, 0) == buf.nbytes
+        calls: int = nvme.stats()["submit_calls"] - before
+    return calls
+
+
+def test_submit_ramp_splits_a_batch_into_doubling_calls(make_file):
+    # 16 chunks of 32 KiB: one call without the ramp; 1+2+4+8+1 or 2+4+8+2 with it
+    path, data = make_file(512 << 10)
+    for ramp, calls in ((0, 1), (1, 5), (2, 4), (64, 1)):
+        buf = nvme.empty(512 << 10)
+        with nvme.defaults.set(submit_ramp=ramp):
+            got = asyncio.run(_one_request_submit_calls(path, buf))
+        assert np.array_equal(buf, data), ramp
+        assert got == calls, (ramp, got)
 
 
 async def test_many_requests_beyond_queue_depth_are_all_served(make_file):
@@ -59,7 +83,9 @@ async def test_many_requests_beyond_queue_depth_are_all_served(make_file):
     for b, o in zip(bufs, offs):
         assert np.array_equal(b, data[o : o + 1000])
     s = nvme.stats()
-    assert s["submit_calls"] < 3000 // 8  # batched, not one syscall per request
+    # batched, not one syscall per request: submit_batch (12) requests per
+    # batch, each batch in ramped calls of 2, 4, 6 iocbs
+    assert s["submit_calls"] <= 3000 // 4
 
 
 async def test_large_request_is_split_into_parallel_chunks(make_file):
@@ -69,8 +95,9 @@ async def test_large_request_is_split_into_parallel_chunks(make_file):
     await nvme.pread(buf, path, block_size="1M")
     after = nvme.stats()
     assert after["submitted"] - before["submitted"] == 16
-    # batched (the submit budget lets at most 8 MiB go per loop iteration), not one call per chunk
-    assert after["submit_calls"] - before["submit_calls"] <= 2
+    # batched, not one call per chunk: the submit budget lets at most 8 MiB
+    # go per loop iteration, each batch of 8 ramped into calls of 2, 4, 2
+    assert after["submit_calls"] - before["submit_calls"] <= 6
     assert np.array_equal(buf, data)
 
 
@@ -346,7 +373,7 @@ async def test_single_submit_mode_issues_one_io_submit_per_chunk(make_file):
         assert np.array_equal(buf, data)
         before = r.engine.stats()["submit_calls"]
         await r.submit(r.engine.read(f._handle(), buf, 0, 1 << 20, 0, 0))
-        assert r.engine.stats()["submit_calls"] - before == 1
+        assert r.engine.stats()["submit_calls"] - before == 3  # ramped: 2, 4, 2
 
 
 async def test_no_overlap_mode_waits_for_each_window(make_file):

@@ -72,6 +72,10 @@ cdef class Engine:
         Batches of reads up to this many bytes are submitted on the calling
         thread (cheapest for small random reads); writes and bigger batches go
         to the submitter thread, which may block in io_submit in our stead.
+    submit_ramp : int
+        iocbs in the first io_submit of a batch; each further call of that
+        batch takes twice as many (0: the whole batch in one call). The
+        device starts on a batch only when its io_submit returns.
     aio_nr : int
         nr_events for io_setup (0: queue_depth). Smaller than queue_depth, the
         kernel context fills before the engine does and io_submit answers
@@ -80,7 +84,7 @@ cdef class Engine:
 
     def __cinit__(self, int queue_depth=128, int threads=8, bint use_aio=True, bint ring_reap=True,
                   long long submit_budget=8 << 20, long long max_inflight_bytes=64 << 20,
-                  long long inline_submit_max=512 << 10, int aio_nr=0):
+                  long long inline_submit_max=512 << 10, int aio_nr=0, int submit_ramp=2):
         cdef int32_t i
         cdef long rc
         cdef aionvme_aio_ring *ring
@@ -128,6 +132,7 @@ cdef class Engine:
                     syscall(SYS_io_destroy, self.ctx)
                     self.ctx = 0
                     raise MemoryError()
+                self.sub.ramp = submit_ramp if submit_ramp > 0 else 0
                 self.use_aio = True
                 ring = <aionvme_aio_ring *>self.ctx
                 self.ring_reap = (ring_reap and ring.magic == AIONVME_AIO_RING_MAGIC
@@ -662,6 +667,7 @@ cdef class Engine:
                     inflight=self.queue_depth - self.nfree, bounce_buffers=self.n_bounce_buffers,
                     ring_reaps=self.n_ring_reaps, use_aio=self.use_aio,
                     more=bool(self.more), submit_budget=self.submit_budget,
+                    submit_ramp=sub.ramp if sub != NULL else 0,
                     ring_reap=self.ring_reap, threads=self.threads_started,
                     closed=bool(self.closed))
 

@@ -158,6 +158,7 @@ cdef struct Submitter:
     int64_t n_calls          # io_submit calls (atomic)
     int64_t n_submitted
     int64_t n_eagain
+    int32_t ramp             # iocbs in the first io_submit of a batch, doubling (0: one call)
 
 
 cdef class Inode:

@@ -320,13 +320,21 @@ cdef int32_t _aio_submit(Submitter *s, iocb **cbs, int32_t n, bint wait_for_room
     cdef int err
     cdef Chunk *ch
     cdef timespec pause
+    # The block layer holds back every request of one io_submit until the
+    # call returns (plugging), so the device idles while the kernel prepares
+    # a whole batch. A ramp (2, 4, 8, ... iocbs per call) starts the device
+    # after the first few and costs log2(n) calls: 4 KiB random reads at
+    # QD 64 here, 72-77k IOPS in one call, 80-84k with the ramp from 2.
+    cdef int32_t cap = s.ramp if s.ramp > 0 else n
     while i < n:
         # One call for the run up to the next request that asked for one
         # io_submit per iocb (DeepNVMe's single_submit); those go alone.
         k = 1
         if not (<Chunk *>cbs[i]).single:
-            while i + k < n and not (<Chunk *>cbs[i + k]).single:
+            while i + k < n and k < cap and not (<Chunk *>cbs[i + k]).single:
                 k += 1
+            if cap < n:
+                cap *= 2
         # Counted as in flight before the call: a completion may be reaped on
         # the loop thread before io_submit even returns here.
         aionvme_atomic_add(&s.inflight, k)

@@ -148,6 +148,7 @@ class Engine:
         max_inflight_bytes: int = ...,
         inline_submit_max: int = ...,
         aio_nr: int = ...,
+        submit_ramp: int = ...,
     ) -> Engine: ...
     def read(
         self,

@@ -43,7 +43,13 @@ def new_engine(settings: defaults.Settings | None = None) -> Engine:
     """An engine shaped by settings (the current defaults if None)."""
     s = settings or defaults.settings
     eng = Engine(
-        s.queue_depth, s.threads, s.engine != "thread", s.ring_reap, s.submit_budget, s.inflight_bytes
+        s.queue_depth,
+        s.threads,
+        s.engine != "thread",
+        s.ring_reap,
+        s.submit_budget,
+        s.inflight_bytes,
+        submit_ramp=s.submit_ramp,
     )
     if s.engine == "aio" and not eng.use_aio:
         err = eng.aio_error or OSError("kernel AIO is unavailable")

@@ -331,22 +331,28 @@ async def randread(
     bs: int = 4096,
     iodepth: int = 64,
     mode: str = "gather",
-    batch: int = 16,
+    batch: int = 256,
 ) -> Result:
     """Random aligned reads of bs bytes, iodepth in flight.
 
     mode='gather': iodepth coroutines, each awaiting one pread after another
-    (what an asyncio application does). mode='batch': iodepth/batch
-    coroutines, each awaiting pread_many of ``batch`` reads (one future per batch).
+    (what an asyncio application does). mode='batch': a few coroutines, each
+    awaiting pread_many of ``batch`` reads (one future per batch), the file
+    opened with parallelism iodepth / coroutines, so that at most iodepth
+    reads are in flight and each batch's window slides as reads complete.
     """
+    if mode not in ("gather", "batch"):
+        raise ValueError(f"mode must be 'gather' or 'batch', got {mode!r}")
     size = os.path.getsize(path)
     offs = _random_offsets(ops, size, bs).tolist()
-    bufs = empty((iodepth, bs))
+    nworkers = max(1, min(4, iodepth))
+    bufs = empty((iodepth, bs)) if mode == "gather" else empty((nworkers * batch, bs))
     bufs[:, ::4096] = 1
     lat = np.zeros(ops)
     last: dict[int, int] = {}
     get_reactor()  # the loop's runtime exists before the clock starts
-    with nvme_open(path) as f, _Meter() as m:
+    parallelism = None if mode == "gather" else max(1, iodepth // nworkers)
+    with nvme_open(path, parallelism=parallelism) as f, _Meter() as m:
         if mode == "gather":
 
             async def worker(k: int) -> None:
@@ -359,8 +365,7 @@ async def randread(
                 last[k] = i
 
             await asyncio.gather(*(worker(k) for k in range(iodepth)))
-        elif mode == "batch":
-            nworkers = max(1, iodepth // batch)
+        else:
 
             async def bworker(k: int) -> None:
                 clock = time.perf_counter
@@ -374,8 +379,6 @@ async def randread(
                         last[k * batch + x] = i + x
 
             await asyncio.gather(*(bworker(k) for k in range(nworkers)))
-        else:
-            raise ValueError(f"mode must be 'gather' or 'batch', got {mode!r}")
     ok = all(check_pattern(bufs[slot], offs[i]) for slot, i in last.items())
     return m.result(
         "randread",

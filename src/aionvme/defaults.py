@@ -31,6 +31,10 @@ submit_batch   AIONVME_SUBMIT_BATCH    hand every N requests made in one loop
                                        iteration to the kernel at once, without
                                        waiting for the iteration to end (0: one
                                        io_submit per iteration)
+submit_ramp    AIONVME_SUBMIT_RAMP     iocbs in the first io_submit of a
+                                       batch, twice as many in each next call
+                                       (the device starts on a batch only when
+                                       its io_submit returns); 0 = one call
 single_submit  AIONVME_SINGLE_SUBMIT   one io_submit per chunk instead of one
                                        per batch (used by :class:`Handle`)
 overlap_events AIONVME_OVERLAP_EVENTS  refill the window as chunks complete;
@@ -47,7 +51,7 @@ pinned_pool    AIONVME_PINNED_POOL     bytes of pinned host memory for bounce
                                        kept under RLIMIT_MEMLOCK)
 ============== ======================= ========================================
 
-Engine-shaping settings (queue_depth, threads, engine, ring_reap) apply to
+Engine-shaping settings (queue_depth, threads, engine, ring_reap, submit_ramp) apply to
 engines created afterwards; the others apply to every call. A config file
 written by ``aionvme tune`` (or a DeepSpeed ``"aio"`` section) is applied with
 :func:`load_config`, read without applying with :func:`read_config`.
@@ -106,6 +110,7 @@ class Settings:
     submit_budget: int = 8 << 20
     inflight_bytes: int = 64 << 20
     submit_batch: int = 12
+    submit_ramp: int = 2
     single_submit: bool = False
     overlap_events: bool = True
     gpu_path: str = "auto"
@@ -125,6 +130,8 @@ class Settings:
             raise ValueError(f"max_inflight must be >= 0, got {self.max_inflight}")
         if self.submit_batch < 0:
             raise ValueError(f"submit_batch must be >= 0, got {self.submit_batch}")
+        if self.submit_ramp < 0:
+            raise ValueError(f"submit_ramp must be >= 0, got {self.submit_ramp}")
         if self.submit_budget < 0 or self.inflight_bytes < 0:
             raise ValueError("submit_budget and inflight_bytes must be >= 0 (0: no limit)")
         if self.gpu_path not in _GPU_PATHS:
@@ -147,7 +154,7 @@ class Settings:
                 raise TypeError(f"unknown setting {k!r}; known: {sorted(names)}")
             if k in ("block_size", "submit_budget", "inflight_bytes", "gpu_block_size", "pinned_pool"):
                 v = parse_size(v)
-            elif k in ("queue_depth", "threads", "max_inflight", "submit_batch"):
+            elif k in ("queue_depth", "threads", "max_inflight", "submit_batch", "submit_ramp"):
                 v = int(v)
             elif k in ("direct", "ring_reap", "single_submit", "overlap_events"):
                 v = _parse_bool(v)

@@ -56,7 +56,9 @@ class Handle:
         together. Default: ``defaults.queue_depth`` (128).
     single_submit : bool, optional
         Submit each chunk with its own ``io_submit`` call instead of one call
-        per batch (DeepNVMe's ``single_submit``). Default False.
+        per batch (DeepNVMe's ``single_submit``). Default False: a batch goes
+        in calls of 2, 4, 8, ... chunks (``defaults.submit_ramp``; 0 there
+        for exactly one call per batch).
     overlap_events : bool, optional
         True: a sliding window, a new chunk is submitted as soon as one
         completes. False: batch-and-wait, a window of ``intra_op_parallelism``
@@ -113,11 +115,12 @@ class Handle:
             0 if s.overlap_events else MODE_NO_OVERLAP
         )
         # The loop's shared engine can serve us only if it has our shape.
-        self._may_share = (s.queue_depth, s.threads, s.engine, s.ring_reap) == (
+        self._may_share = (s.queue_depth, s.threads, s.engine, s.ring_reap, s.submit_ramp) == (
             base.queue_depth,
             base.threads,
             base.engine,
             base.ring_reap,
+            base.submit_ramp,
         )
         self._lock = threading.Lock()
         self._closed = False
