@@ -7,8 +7,9 @@
     await asyncio.gather(*(nvme.pread(t, p) for t, p in jobs))   # many transfers, one loop
 
 Every transfer is an awaitable backed by kernel AIO with O_DIRECT (or a C
-worker pool where AIO or O_DIRECT is not available), batched into one
-io_submit per loop iteration and split into chunks in flight in parallel.
+worker pool where AIO or O_DIRECT is not available): the requests of a loop
+iteration are submitted together (in io_submit calls of 2, 4, 8, ... so the
+device starts early), each split into chunks in flight in parallel.
 """
 
 from __future__ import annotations
