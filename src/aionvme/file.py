@@ -228,19 +228,42 @@ def _handle_for(file: File | PathLike | int, write: bool) -> tuple[FileHandle, b
     return h, True
 
 
+def _rmw_capable_fd(fd: int) -> int:
+    """A read-write O_DIRECT twin of a write-only O_DIRECT fd, or -1.
+
+    A write whose head or tail is not block-aligned reads the partial block
+    first (read-modify-write), which a write-only fd cannot do (EBADF after the
+    aligned part had landed). The twin reopens the same file through
+    /proc/self/fd; reads through the caller's fd stay refused by the handle.
+    Where that is not allowed (no read permission, no /proc), -1: the caller's
+    fd is used as it is.
+    """
+    try:
+        twin = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
+    except OSError:
+        return -1
+    a, b = os.fstat(twin), os.fstat(fd)
+    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+        os.close(twin)
+        return -1
+    return twin
+
+
 def _handle_from_fd(fd: int) -> FileHandle:
     """Serve a caller's fd as it is (the caller keeps ownership; we dup it)."""
     try:
         fl = fcntl.fcntl(fd, fcntl.F_GETFL)
     except OSError as e:
         raise os_error(e.errno or errno.EIO, f"<fd {fd}>", op="fcntl") from None
-    dup = os.dup(fd)
     acc = fl & os.O_ACCMODE
+    direct = bool(fl & os.O_DIRECT)
+    dup = _rmw_capable_fd(fd) if direct and acc == os.O_WRONLY else -1
+    if dup < 0:
+        dup = os.dup(fd)
     try:
         st = fstatx(dup)
         if stat.S_ISDIR(st["mode"]):
             raise os_error(errno.EISDIR, f"<fd {fd}>")
-        direct = bool(fl & os.O_DIRECT)
         align, mem_align = st["dio_offset_align"], st["dio_mem_align"]
         if direct:
             align = align or _DEFAULT_ALIGN

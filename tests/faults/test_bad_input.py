@@ -104,6 +104,25 @@ async def test_fds_opened_the_wrong_way(victim):
         await f.pread(np.zeros(10, np.uint8), 0)  # 'w' is write-only
 
 
+async def test_unaligned_writes_through_a_write_only_o_direct_fd(make_file):
+    # A partial block is read-modify-written; a write-only O_DIRECT fd cannot
+    # read it, so the handle writes through a read-write twin of the same file
+    # (reads through the caller's fd stay refused).
+    path, data = make_file(3 * 4096)
+    expect = data.copy()
+    src = np.random.default_rng(9).integers(0, 256, 5000, dtype=np.uint8)
+    expect[7 : 7 + src.nbytes] = src
+    fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+    try:
+        assert await nvme.pwrite(src, fd, offset=7) == src.nbytes
+        with pytest.raises(nvme.UnsupportedOperation):
+            await nvme.pread(np.zeros(10, np.uint8), fd)
+    finally:
+        os.close(fd)
+    with open(path, "rb") as f:
+        assert np.array_equal(np.frombuffer(f.read(), np.uint8), expect)
+
+
 async def test_closed_and_bad_fds(victim):
     path, unchanged = victim
     # a closed fd (a number nothing else can reuse meanwhile: above any we hold)
