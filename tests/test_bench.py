@@ -116,3 +116,32 @@ async def test_misaligned_seqread_verifies(tmp_path):
 def test_bad_workload_name(tmp_path):
     with pytest.raises(SystemExit):
         main(["bench", "-w", "nope", "--dir", str(tmp_path)])
+
+
+def test_make_file_never_overwrites_another_programs_file(tmp_path):
+    p = tmp_path / "model.bin"
+    p.write_bytes(b"precious weights" * 1000)
+    with pytest.raises(FileExistsError):
+        B.make_file(str(p), 1 << 20)
+    assert p.read_bytes() == b"precious weights" * 1000
+    with pytest.raises(SystemExit, match="--overwrite"):
+        main(["bench", "--file", str(p), "--size", "1M", "-w", "seqread", "--loop", "asyncio"])
+    assert p.read_bytes() == b"precious weights" * 1000
+    # a benchmark file of another size is ours to rewrite; --overwrite takes any file
+    B.make_file(str(p), 1 << 20, overwrite=True)
+    B.make_file(str(p), 2 << 20)
+    assert p.stat().st_size == 2 << 20
+    assert B.holds_pattern(np.fromfile(p, np.uint8)[13:9000], 13)
+
+
+def test_misaligned_seqread_checks_every_byte(tmp_path):
+    import asyncio
+
+    p = str(tmp_path / "f.bin")
+    B.make_file(p, 4 << 20)
+    r = asyncio.run(B.seqread(p, request_size=1 << 20, misalign=5))
+    assert r.summary()["verified"]
+    buf = np.fromfile(p, np.uint8)[5:1005].copy()
+    assert B.holds_pattern(buf, 5)
+    buf[999] ^= 1
+    assert not B.holds_pattern(buf, 5)

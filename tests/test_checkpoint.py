@@ -96,6 +96,18 @@ async def test_ties_are_stored_once_and_come_back_tied(tmp_dir):
     assert got["b"][1] == 5
 
 
+async def test_conjugate_and_negative_views_are_not_ties(tmp_dir):
+    # x.conj() and x.conj().imag share memory and layout with x and x.imag,
+    # but not values: each must be stored as what it reads as
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    ckpt = {"z": z, "zc": z.conj(), "im": z.imag, "im_neg": z.conj().imag}
+    path = tmp_dir / "conj.safetensors"
+    await nvme.save(ckpt, path)
+    back = await nvme.load(path)
+    for k, v in ckpt.items():
+        assert torch.equal(back[k], v.resolve_conj().resolve_neg()), k
+
+
 async def test_readable_by_safetensors_with_dotted_names(tmp_dir):
     ckpt = {"model": {"layer.0.w": torch.ones(2)}, "a.b": torch.zeros(1), "a": {"b": torch.full((1,), 2.0)}}
     path = tmp_dir / "c.safetensors"

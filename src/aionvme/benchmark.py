@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import resource
 import time
@@ -69,16 +70,41 @@ def check_pattern(buf: np.ndarray, offset: int, seed: int = SEED) -> bool:
     return bool(np.array_equal(words, expect))
 
 
-def make_file(path: str, size: int, chunk: int = 64 << 20, seed: int = SEED) -> None:
+def holds_pattern(buf: np.ndarray, offset: int, seed: int = SEED) -> bool:
+    """Whether buf (uint8, any length) holds the file bytes at any offset."""
+    if offset % 8 == 0 and len(buf) % 8 == 0:
+        return check_pattern(buf, offset, seed)
+    lo = offset - offset % 8
+    expect = np.empty(-(-(offset + len(buf) - lo) // 8) * 8, np.uint8)
+    fill_pattern(expect, lo, seed)
+    return bool(np.array_equal(buf, expect[offset - lo : offset - lo + len(buf)]))
+
+
+def make_file(
+    path: str, size: int, chunk: int = 64 << 20, seed: int = SEED, *, overwrite: bool = False
+) -> None:
     """Write the pattern to path (size a multiple of 8), fsynced, unless a file
-    of that size with the right first and last words is already there."""
-    if os.path.exists(path) and os.path.getsize(path) == size and size >= 16:
+    of that size with the right first and last words is already there.
+
+    An existing file that does not start with the pattern is somebody's data:
+    FileExistsError unless ``overwrite``.
+    """
+    if os.path.exists(path):
         with open(path, "rb") as f:
             head = np.frombuffer(f.read(8), np.uint8).copy()
-            f.seek(size - 8)
-            tail = np.frombuffer(f.read(8), np.uint8).copy()
-        if check_pattern(head, 0, seed) and check_pattern(tail, size - 8, seed):
-            return
+            have = os.fstat(f.fileno()).st_size
+            ours = head.size == 8 and check_pattern(head, 0, seed)
+            if ours and have == size and size >= 16:
+                f.seek(size - 8)
+                tail = np.frombuffer(f.read(8), np.uint8).copy()
+                if check_pattern(tail, size - 8, seed):
+                    return
+        if not ours and have > 0 and not overwrite:
+            raise FileExistsError(
+                errno.EEXIST,
+                "exists and is not an aionvme benchmark file: not overwriting it",
+                path,
+            )
     buf = empty(min(chunk, size))
     with nvme_open(path, "w") as f:
         for off in range(0, size, chunk):
@@ -246,7 +272,7 @@ async def seqread(
                 lat.append(time.perf_counter() - t0)
 
             await asyncio.gather(*(one(b, o) for b, o in reqs))
-    ok = all(check_pattern(b[: len(b) - len(b) % 8], o) for b, o in reqs) if misalign % 8 == 0 else True
+    ok = all(holds_pattern(b, o) for b, o in reqs)
     return m.result(
         "seqread",
         size,
@@ -364,7 +390,7 @@ async def randread(
                     lat[i] = clock() - t
                 last[k] = i
 
-            await asyncio.gather(*(worker(k) for k in range(iodepth)))
+            await asyncio.gather(*(worker(k) for k in range(min(iodepth, ops))))
         else:
 
             async def bworker(k: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import tempfile
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
@@ -40,22 +41,26 @@ def scratch_dir(parent: str | None = None, keep: bool = False) -> Iterator[str]:
         yield d
     finally:
         if not keep:
-            for name in os.listdir(d):
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(d, name))
-            with contextlib.suppress(OSError):
-                os.rmdir(d)
+            shutil.rmtree(d, ignore_errors=True)  # ours: made above, with whatever ran in it
+
+
+def resolve_loop(loop: str) -> str:
+    """The loop that run_loop will use for ``loop``: uvloop only where installed."""
+    if loop == "uvloop":
+        try:
+            import uvloop  # noqa: F401
+        except ImportError:
+            return "asyncio"
+    return loop
 
 
 def run_loop(coro: Coroutine[Any, Any, T], loop: str = "uvloop") -> T:
-    """Run coro on uvloop (when installed and asked for) or asyncio's loop."""
-    if loop == "uvloop":
-        try:
-            import uvloop
-        except ImportError:
-            loop = "asyncio"
-        else:
-            return uvloop.run(coro)  # type: ignore[no-any-return]
+    """Run coro on uvloop (when installed and asked for) or asyncio's loop.
+    Callers that print the loop's name resolve it first (:func:`resolve_loop`)."""
+    if resolve_loop(loop) == "uvloop":
+        import uvloop
+
+        return uvloop.run(coro)  # type: ignore[no-any-return]
     return asyncio.run(coro)
 
 

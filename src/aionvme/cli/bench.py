@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ._common import drop_caches, human_bytes, run_loop, scratch_dir
+from ._common import drop_caches, human_bytes, resolve_loop, run_loop, scratch_dir
 
 IO_WORKLOADS = ("seqread", "seqwrite", "randread", "randwrite", "manyfiles")
 FORMAT_WORKLOADS = ("safetensors", "checkpoint")
@@ -66,8 +66,18 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--buffered", dest="direct", action="store_false", help="buffered I/O (page cache)")
     p.add_argument("--engine", choices=("auto", "aio", "thread"), default=None)
     loc = p.add_mutually_exclusive_group()
-    loc.add_argument("--file", default=None, help="use this file for seq*/rand* (made if missing)")
+    loc.add_argument(
+        "--file",
+        default=None,
+        help="use this file for seq*/rand* (made if missing; an existing file that is not an "
+        "aionvme benchmark file is refused unless --overwrite)",
+    )
     loc.add_argument("--dir", default=None, help="make test files in this directory")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="let --file replace a file that holds other data (its content is lost)",
+    )
     p.add_argument("--repeat", type=int, default=1, help="runs of each workload; medians are reported")
     p.add_argument(
         "--sweep",
@@ -152,21 +162,20 @@ async def _run_one(name: str, args: argparse.Namespace, workdir: str) -> dict[st
     size = parse_size(args.size)
     path = args.file or os.path.join(workdir, "bench.bin")
     if name == "seqread":
-        B.make_file(path, size)
+        B.make_file(path, size, overwrite=args.overwrite)
         r = await B.seqread(path, request_size=parse_size(args.request_size), misalign=args.misalign)
     elif name == "seqwrite":
+        # a fresh file in the scratch directory (next to --file's would risk another's data)
         r = await B.seqwrite(
-            path + ".w" if args.file else os.path.join(workdir, "write.bin"),
-            size,
-            request_size=parse_size(args.request_size),
+            os.path.join(workdir, "write.bin"), size, request_size=parse_size(args.request_size)
         )
     elif name == "randread":
-        B.make_file(path, size)
+        B.make_file(path, size, overwrite=args.overwrite)
         r = await B.randread(
             path, ops=args.ops, bs=parse_size(args.bs), iodepth=args.iodepth, mode=args._mode
         )
     elif name == "randwrite":
-        B.make_file(path, size)
+        B.make_file(path, size, overwrite=args.overwrite)
         r = await B.randwrite(path, ops=args.ops, bs=parse_size(args.bs), iodepth=args.iodepth)
     elif name == "manyfiles":
         d = os.path.join(workdir, "many")
@@ -282,7 +291,7 @@ def _gpu_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     status = gpu.cufile_status()
     with scratch_dir(args.dir, keep=args.keep) as workdir:
         path = args.file or os.path.join(workdir, "gpu.bin")
-        B.make_file(path, size)
+        B.make_file(path, size, overwrite=args.overwrite)
         for way in ways:
             if way == "gds" and status["mode"] is None:
                 for name in ("gpu-read", "gpu-write"):
@@ -351,12 +360,18 @@ def _run_gpu(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    args.loop = resolve_loop(args.loop)
+    try:
+        return _run_gpu(args) if args.gpu else _run(args)
+    except FileExistsError as e:
+        msg = f"aionvme bench: {e.filename}: {e.strerror} (pass --overwrite to replace it)"
+        raise SystemExit(msg) from None
+
+
+def _run(args: argparse.Namespace) -> int:
     from aionvme import defaults
 
-    if args.gpu:
-        return _run_gpu(args)
     names = _workloads(args.workload)
-    args._mode = args.mode
     settings: dict[str, Any] = {}
     for key in ("block_size", "queue_depth", "direct", "engine"):
         v = getattr(args, key)
@@ -380,11 +395,7 @@ def run(args: argparse.Namespace) -> int:
             modes = ["gather", "batch"] if (name == "randread" and args.mode == "both") else [args.mode]
             for m in modes:
                 plan.extend((sv, name, m) for _ in range(args.repeat))
-    note = (
-        drop_caches()
-        if os.geteuid() == 0
-        else "not root: the page cache was not dropped (O_DIRECT bypasses it)"
-    )
+    note = "not root: the page cache was not dropped (O_DIRECT bypasses it)"
 
     results: dict[tuple[Any, str, str], list[dict[str, Any]]] = {}
     t0 = time.perf_counter()
@@ -396,7 +407,7 @@ def run(args: argparse.Namespace) -> int:
             args._mode = m
             with defaults.set(**s):
                 if os.geteuid() == 0:
-                    drop_caches()
+                    note = drop_caches()
                 row = run_loop(_run_one(name, args, workdir), args.loop)
             results.setdefault((sv, name, m), []).append(row)
             advance(f"{name}{'' if sv is None else f' {sweep_name}={sv}'}")

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from ._common import human_bytes, run_loop, scratch_dir
+from ._common import human_bytes, resolve_loop, run_loop, scratch_dir
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -70,6 +70,7 @@ async def _demo(args: argparse.Namespace, path: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    args.loop = resolve_loop(args.loop)
     with scratch_dir(args.dir) as d:
         path = os.path.join(d, "demo.bin")
         return run_loop(_demo(args, path), args.loop)

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._common import human_bytes, run_loop, scratch_dir
+from ._common import human_bytes, resolve_loop, run_loop, scratch_dir
 
 K, M = 1 << 10, 1 << 20
 REQUESTS = 4  # large requests in flight together, like a swapper's tensors
@@ -464,6 +464,7 @@ class _Timer:
 def run(args: argparse.Namespace) -> int:
     from aionvme.defaults import parse_size
 
+    args.loop = resolve_loop(args.loop)
     if not os.path.isdir(args.dir):
         print(f"aionvme tune: --dir {args.dir} is not a directory")
         return 2

@@ -60,6 +60,9 @@ def _identity(value: Any) -> tuple[Any, ...]:
         str(value.dtype),
         tuple(value.shape),
         tuple(value.stride()),
+        # x.conj() and x share memory and layout but not values
+        value.is_conj(),
+        value.is_neg(),
     )
 
 
