@@ -486,7 +486,16 @@ cdef class Engine:
             f = req.file
             f.active -= 1
             if f.closing and f.active == 0:
-                f._close_fd()
+                try:
+                    f._close_fd()
+                except OSError as e:
+                    # The file was closed while this request ran; close(2)
+                    # failed (write-back EIO on NFS, say): this request
+                    # reports it unless it failed already. Raising here would
+                    # lose the requests still on the list.
+                    if req.c.err == 0 and e.errno:
+                        req.c.err = e.errno
+                        req.c.err_off = req.c.segs[0].offset if req.c.nsegs > 0 else 0
             out.append(req)
             r = nxt
         return out

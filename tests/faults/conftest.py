@@ -59,7 +59,7 @@ def shutdown_fs(request: pytest.FixtureRequest, loopfs: Callable[..., LoopFS]) -
 class FaultFS:
     """A mounted faultfs (faultfs.c): passthrough to ``backing`` with faults.
 
-    ``set(delay_us=, eio=(start, end))`` changes them while mounted.
+    ``set(delay_us=, eio=(start, end), flush_eio=)`` changes them while mounted.
     """
 
     def __init__(self, binary: Path, backing: Path, mnt: Path) -> None:
@@ -84,8 +84,8 @@ class FaultFS:
             time.sleep(0.01)
         pytest.fail("faultfs did not appear as a mount")
 
-    def set(self, delay_us: int = 0, eio: tuple[int, int] = (-1, -1)) -> None:
-        (self.backing / ".faultfs-control").write_text(f"{delay_us} {eio[0]} {eio[1]}\n")
+    def set(self, delay_us: int = 0, eio: tuple[int, int] = (-1, -1), flush_eio: bool = False) -> None:
+        (self.backing / ".faultfs-control").write_text(f"{delay_us} {eio[0]} {eio[1]} {int(flush_eio)}\n")
         # a lookup of /.reload makes the daemon re-read the control file
         assert not (self.mnt / ".reload").exists()
 

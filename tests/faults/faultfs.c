@@ -8,8 +8,10 @@
  *   --delay-us=N   sleep N microseconds in every read and write
  *   --eio-start/--eio-end
  *                  reads and writes that touch [A, B) fail with EIO
+ *   flush_eio      (control file only) close(2) of a file fails with EIO, as
+ *                  NFS does when write-back failed
  *
- * Faults can be changed while mounted by writing "delay_us eio_start eio_end\n" to BACKING/.faultfs-control and then stat()ing MOUNTPOINT/.reload.
+ * Faults can be changed while mounted by writing "delay_us eio_start eio_end [flush_eio]\n" to BACKING/.faultfs-control and then stat()ing MOUNTPOINT/.reload.
  *
  * (No short-read fault: FUSE's contract is that a short answer means EOF, and
  * the kernel pads the page cache with zeros after one, so a daemon answering
@@ -39,9 +41,10 @@ struct options {
     long delay_us;
     long long eio_start;
     long long eio_end;
+    int flush_eio;
 };
 
-static struct options opt = {NULL, 0, -1, -1};
+static struct options opt = {NULL, 0, -1, -1, 0};
 static int backing_fd = -1;
 
 #define OPTION(t, p) {t, offsetof(struct options, p), 1}
@@ -64,10 +67,12 @@ static void reload(void) {
     buf[n] = 0;
     long d;
     long long a, b;
-    if (sscanf(buf, "%ld %lld %lld", &d, &a, &b) == 3) {
+    int f = 0;
+    if (sscanf(buf, "%ld %lld %lld %d", &d, &a, &b, &f) >= 3) {
         __atomic_store_n(&opt.delay_us, d, __ATOMIC_RELAXED);
         __atomic_store_n(&opt.eio_start, a, __ATOMIC_RELAXED);
         __atomic_store_n(&opt.eio_end, b, __ATOMIC_RELAXED);
+        __atomic_store_n(&opt.flush_eio, f, __ATOMIC_RELAXED);
     }
 }
 
@@ -195,6 +200,12 @@ static int ff_fsync(const char *path, int datasync, struct fuse_file_info *fi) {
     return r == 0 ? 0 : -errno;
 }
 
+static int ff_flush(const char *path, struct fuse_file_info *fi) {
+    (void)path;
+    (void)fi;
+    return __atomic_load_n(&opt.flush_eio, __ATOMIC_RELAXED) ? -EIO : 0;
+}
+
 static int ff_release(const char *path, struct fuse_file_info *fi) {
     (void)path;
     close((int)fi->fh);
@@ -225,6 +236,7 @@ static const struct fuse_operations ops = {
     .truncate = ff_truncate,
     .fallocate = ff_fallocate,
     .fsync = ff_fsync,
+    .flush = ff_flush,
     .release = ff_release,
     .unlink = ff_unlink,
     .rename = ff_rename,

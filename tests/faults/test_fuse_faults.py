@@ -4,6 +4,7 @@ range surfaces as OSError(EIO) at the failing part, never as a short read."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
 
 import numpy as np
@@ -70,3 +71,27 @@ async def test_eio_in_a_byte_range(faultfs, direct):
     back = np.fromfile(path, np.uint8)
     assert np.array_equal(back[: bad[0] - 50], data[: bad[0] - 50])
     assert np.array_equal(back[bad[0] + 50 :], data[bad[0] + 50 :])
+
+
+async def test_a_failing_close_after_the_last_request_loses_nothing(faultfs):
+    # The file is closed while its reads run; its fd closes when the last one
+    # ends, and close(2) fails (as NFS does after failed write-back). Every
+    # read still completes; the one that closed the fd reports the EIO.
+    path = str(faultfs.mnt / "c.bin")
+    data = _data(4 * MiB, 3)
+    await nvme.pwrite(data, path)
+    faultfs.set(delay_us=20_000, flush_eio=True)
+    try:
+        f = nvme.open(path, block_size="256K")
+        outs = [nvme.empty(MiB) for _ in range(4)]
+        futs = [f.pread(outs[i], i * MiB) for i in range(4)]
+        f.close()  # deferred: the reads hold the fd
+        got = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 30)
+    finally:
+        faultfs.set()
+    errors = [g for g in got if isinstance(g, BaseException)]
+    assert len(errors) == 1 and isinstance(errors[0], OSError), got
+    assert errors[0].errno == errno.EIO and errors[0].filename == path
+    for i in range(4):
+        assert np.array_equal(outs[i], data[i * MiB : (i + 1) * MiB]), i
+    assert f.closed
