@@ -223,6 +223,22 @@ def test_validate_compares_with_the_file(tmp_path):
         ds._validate(changed, path, 0)
 
 
+def test_validate_through_an_fd(h, tmp_path):
+    # DeepNVMe's validate compares with the file; with an fd (O_DIRECT,
+    # write-only) the file is reopened through /proc, after the transfer
+    path = str(tmp_path / "v.bin")
+    t = torch.randint(0, 255, (3 * 4096 + 5,), dtype=torch.uint8)
+    fd = os.open(path, os.O_DIRECT | os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        assert h.write(t, fd, True) == 0
+        assert h.pwrite(t, fd, True, True, 4096) == 0
+        assert h.wait() == 1
+    finally:
+        os.close(fd)
+    raw = np.fromfile(path, np.uint8)
+    assert np.array_equal(raw[4096:], t.numpy()) and np.array_equal(raw[:4096], t.numpy()[:4096])
+
+
 def test_async_pwrite_to_an_open_fd(h, tmp_path):
     # DeepSpeed's FastFileWriter opens the file itself (O_DIRECT | O_WRONLY) and
     # passes the fd with aligned buffers and offsets

@@ -153,7 +153,7 @@ class _Op:
         read: bool,
         buffer: Any,
         staging: Any,
-        filename: str,
+        filename: str | int,
         offset: int,
         validate: bool,
         future: concurrent.futures.Future[int],
@@ -170,18 +170,29 @@ class _Op:
         _complete(self.read, self.buffer, self.staging, self.filename, self.offset, self.validate)
 
 
-def _complete(read: bool, buffer: Any, staging: Any, filename: str, offset: int, validate: bool) -> None:
+def _target(file: Any) -> str | int:
+    """What _validate reopens: a path, or an fd the caller holds."""
+    if isinstance(file, int):
+        return file
+    if isinstance(file, (str, bytes, os.PathLike)):
+        return os.fsdecode(file)
+    return str(file.path)  # an aionvme.File
+
+
+def _complete(read: bool, buffer: Any, staging: Any, file: str | int, offset: int, validate: bool) -> None:
     """After a successful transfer: copy a staged read back, validate."""
     if read and staging is not None:
         buffer.copy_(staging)
     if validate:
-        _validate(staging if staging is not None else buffer, filename, offset)
+        _validate(staging if staging is not None else buffer, file, offset)
 
 
-def _validate(host: Any, filename: str, offset: int) -> None:
-    """Compare a host buffer with the file's bytes, read through the page cache."""
+def _validate(host: Any, file: str | int, offset: int) -> None:
+    """Compare a host buffer with the file's bytes, read through the page cache
+    (an fd is reopened through /proc: it may be O_DIRECT or write-only)."""
     mine = _host_bytes(host)
-    fd = os.open(filename, os.O_RDONLY | os.O_CLOEXEC)
+    name = f"<fd {file}>" if isinstance(file, int) else file
+    fd = os.open(f"/proc/self/fd/{file}" if isinstance(file, int) else file, os.O_RDONLY | os.O_CLOEXEC)
     try:
         theirs = os.pread(fd, len(mine), offset)
     finally:
@@ -189,7 +200,7 @@ def _validate(host: Any, filename: str, offset: int) -> None:
     if mine != theirs:
         first = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
         raise ValidationError(
-            f"{filename}: {len(mine)} bytes at offset {offset} do not match the file "
+            f"{name}: {len(mine)} bytes at offset {offset} do not match the file "
             f"(first difference at byte {offset + first}; the file has {len(theirs)} bytes there)"
         )
 
@@ -313,9 +324,8 @@ class aio_handle:  # DeepSpeed's name, lower case
             if temporary:
                 fh.close()
             raise
-        name = os.fsdecode(file) if isinstance(file, (str, bytes, os.PathLike)) else str(fh.path)
         with self._lock:
-            self._pending.append(_Op(read, buffer, staging, name, offset, validate, future))
+            self._pending.append(_Op(read, buffer, staging, _target(file), offset, validate, future))
 
     def wait(self) -> int:
         """Wait (GIL released) for all of this handle's outstanding operations.
@@ -414,14 +424,14 @@ class aio_handle:  # DeepSpeed's name, lower case
         as DeepNVMe does."""
         staging = _staged(buffer, True)
         self._handle.sync_pread(buffer if staging is None else staging, filename, file_offset)
-        _complete(True, buffer, staging, os.fsdecode(filename), file_offset, validate)
+        _complete(True, buffer, staging, _target(filename), file_offset, validate)
         return 0
 
     def write(self, buffer: Any, filename: str, validate: bool, file_offset: int = 0) -> int:
         """Blocking write that leaves outstanding async operations alone; returns 0."""
         staging = _staged(buffer, False)
         self._handle.sync_pwrite(buffer if staging is None else staging, filename, file_offset)
-        _complete(False, buffer, staging, os.fsdecode(filename), file_offset, validate)
+        _complete(False, buffer, staging, _target(filename), file_offset, validate)
         return 0
 
     # -- page-locked tensors -------------------------------------------------------------------
