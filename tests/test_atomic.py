@@ -98,3 +98,14 @@ async def test_cancel_during_commit_sees_the_commit_through(tmp_dir, monkeypatch
     with pytest.raises(asyncio.CancelledError):
         await t
     assert synced and path.read_bytes() == b"new content"
+
+
+async def test_an_unusable_target_leaves_no_temporary_file(tmp_dir):
+    # the target's permissions cannot be read (a symlink loop: ELOOP): the
+    # error comes out and the temporary file made first is gone
+    target = tmp_dir / "loop"
+    os.symlink("loop", target)
+    with pytest.raises(OSError):
+        async with nvme.atomic_write(target) as f:
+            await f.pwrite(b"x", 0)
+    assert sorted(p.name for p in tmp_dir.iterdir()) == ["loop"]

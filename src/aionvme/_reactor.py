@@ -174,7 +174,8 @@ class Reactor:
         if not self.loop.is_closed():
             with contextlib.suppress(RuntimeError, ValueError, OSError):
                 self.loop.remove_reader(self._fd)
-        finished = self.engine.close()
+        finished = self._held + self.engine.close()  # held: finished before, not delivered yet
+        self._held = []
         if self.loop.is_closed():
             for req in finished:  # no one can await these any more: just let go
                 req.future = None
@@ -209,6 +210,17 @@ def _hook_close(loop: asyncio.AbstractEventLoop) -> None:
     with contextlib.suppress(AttributeError, TypeError):
         loop.close = close  # type: ignore[method-assign]
         loop._aionvme_close_hooked = True  # type: ignore[attr-defined]
+
+
+def running_loop() -> asyncio.AbstractEventLoop:
+    """asyncio.get_running_loop() without its getpid() syscall on Python < 3.12
+    (see get_reactor): the owner of this thread's async-generator hooks, when
+    that is a running loop."""
+    if _FAST_LOOKUP:
+        owner = getattr(sys.get_asyncgen_hooks().firstiter, "__self__", None)
+        if isinstance(owner, asyncio.AbstractEventLoop) and owner.is_running():
+            return owner
+    return asyncio.get_running_loop()
 
 
 def get_reactor(loop: asyncio.AbstractEventLoop | None = None) -> Reactor:

@@ -50,13 +50,17 @@ class AtomicWriter:
 
     def _open(self) -> File:
         f = File(self.tmp_path, "x+", direct=self._direct)
-        try:
-            mode = stat.S_IMODE(os.stat(self.path).st_mode)  # keep the target's permissions
-        except FileNotFoundError:
-            mode = None
-        if mode is not None:
-            os.fchmod(f.fileno(), mode)
         self.file = f
+        try:
+            try:
+                mode = stat.S_IMODE(os.stat(self.path).st_mode)  # keep the target's permissions
+            except FileNotFoundError:
+                mode = None
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
+        except BaseException:
+            self._discard()  # no temporary file left behind
+            raise
         return f
 
     def _discard(self) -> None:

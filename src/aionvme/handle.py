@@ -28,9 +28,10 @@ from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
+from . import _reactor as _rx
 from . import _sync, defaults, gpu
 from ._engine import MODE_NO_OVERLAP, MODE_SINGLE_SUBMIT, Engine, FileHandle, Request
-from ._reactor import Reactor, get_reactor, new_engine
+from ._reactor import Reactor, get_reactor, new_engine, running_loop
 from .exceptions import EngineClosedError, os_error
 from .file import File, PathLike, _handle_for, open_handle
 
@@ -245,13 +246,13 @@ class Handle:
     def _reactor(self) -> Reactor:
         """The reactor serving this handle on the running loop."""
         self._check_open()
-        loop = asyncio.get_running_loop()
+        loop = running_loop()  # no getpid() per call: hot path
         if self._may_share:
             shared = get_reactor(loop)
             if self._fits(shared.engine):
                 return shared
         r = self._reactors.get(loop)
-        if r is not None and not r.closed and r.pid == os.getpid():
+        if r is not None and not r.closed and r.pid == _rx._pid:
             return r
         with self._lock:
             self._check_open()
@@ -272,13 +273,16 @@ class Handle:
                 return eng, False
         with self._lock:
             self._check_open()
-            if self._pid != os.getpid():  # a forked child: the parent's engines were abandoned
-                self._pid = os.getpid()
+            if self._pid != _rx._pid:  # a forked child: the parent's engines were abandoned
+                self._pid = _rx._pid
                 self._idle.clear()
                 self._engines.clear()
             if self._idle:
-                return self._idle.pop(), True
-            eng = new_engine(self._settings)
+                eng = self._idle.pop()
+                # this thread drives it now: exit must not close it under us
+                _rx._owners[eng] = threading.get_ident()
+                return eng, True
+            eng = new_engine(self._settings)  # owned by this thread
             self._engines.append(eng)
             return eng, True
 
