@@ -451,3 +451,18 @@ def test_block_device_gets_o_direct_and_kernel_aio(tmp_dir):
         assert np.array_equal(out, data[:100_001])
     finally:
         subprocess.run(["losetup", "-d", dev], check=False)
+
+
+async def test_chunks_larger_than_the_kernel_transfer_limit(tmp_path):
+    # Linux moves at most 0x7ffff000 bytes per read/write/AIO: a block_size
+    # beyond that is cut to it, not answered with short chunks
+    path = tmp_path / "big.bin"
+    size = (2 << 30) + (8 << 20)
+    with open(path, "wb") as f:
+        f.truncate(size)  # a hole: reads of zeros, no device time
+        f.seek(size - 8)
+        f.write(b"the end.")
+    buf = nvme.empty(size)
+    assert await nvme.pread(buf, str(path), block_size="4G") == size
+    assert bytes(buf[-8:]) == b"the end." and not buf[: 1 << 20].any()
+    del buf

@@ -97,6 +97,8 @@ cdef class AlignedBuffer:
         cdef void *p
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        if nbytes > (<Py_ssize_t>0x7fffffffffffffff) - _PAGE:
+            raise MemoryError(f"cannot map {nbytes} bytes")
         self.nbytes = nbytes
         self.mapped = max(_PAGE, (nbytes + _PAGE - 1) // _PAGE * _PAGE)
         with nogil:

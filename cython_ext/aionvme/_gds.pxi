@@ -191,10 +191,11 @@ def gds_driver_close():
         return True
     with nogil:
         pthread_mutex_lock(&_cf_mu)
-        _cf_driver_refs -= 1
-        if _cf_driver_refs == 0:
-            e = _cf_driver_close()
-            closed = True
+        if _cf_driver_refs > 0:   # checked again under the lock: a file may have let go meanwhile
+            _cf_driver_refs -= 1
+            if _cf_driver_refs == 0:
+                e = _cf_driver_close()
+                closed = True
         pthread_mutex_unlock(&_cf_mu)
     if e.err != CU_FILE_SUCCESS:
         raise _gds_status_error(e, "cuFileDriverClose")

@@ -2,8 +2,11 @@
 # every open of one file), FileHandle (an fd and how to serve it) and Request
 # (one awaited call: a list of segments, its buffers pinned until finished).
 
+
 cdef int64_t _INT64_MAX = 0x7fffffffffffffff
 cdef long long _open_handles = 0   # FileHandles whose fd is still open (leak checks)
+# Linux transfers at most this many bytes per read/write/AIO (MAX_RW_COUNT).
+cdef int64_t _MAX_RW_COUNT = 0x7ffff000
 
 MODE_SINGLE_SUBMIT = 1   # Engine.read/write mode bits
 MODE_NO_OVERLAP = 2
@@ -243,6 +246,8 @@ cdef Request _new_request(FileHandle f, int op, int nsegs, int64_t block, int ma
     req.c.mem_align = f.mem_align
     if block < f.align:
         block = f.align
+    if block > _MAX_RW_COUNT:
+        block = _MAX_RW_COUNT   # the kernel cuts every transfer there: chunks would come back short
     req.c.block = block - block % f.align
     req.c.max_inflight = max_inflight if max_inflight > 0 else 0x7fffffff
     req.c.inode = &f.inode.c if f.inode is not None else NULL
