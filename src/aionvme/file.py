@@ -152,31 +152,17 @@ def open_handle(
         if is_direct and stat.S_ISREG(mode) and fst in _MEMORY_FS:
             # tmpfs takes O_DIRECT but copies inside io_submit: serve it from
             # the worker pool, buffered, where any alignment is fine.
-            reopened = _os_open(path, flags & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC))
-            os.close(fd)
-            fd = reopened
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+            fd = _reopen_buffered(fd, path, flags)
             is_direct = False
             reason = f"{FS_NAMES[fst]} is memory: buffered I/O on worker threads"
         elif is_direct and st["dio_reported"] and align == 0:
             # statx says this file cannot do direct I/O (inline data, data=journal...)
-            reopened = _os_open(path, flags & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC))
-            os.close(fd)
-            fd = reopened
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+            fd = _reopen_buffered(fd, path, flags)
             is_direct = False
             reason = "statx reports no direct I/O for this file"
         if is_direct:
-            if align == 0:
-                align = _block_device_sector(fd) if stat.S_ISBLK(mode) else _DEFAULT_ALIGN
-            if mem_align == 0:
-                mem_align = align
-            kind = KERNEL_AIO
-            if stat.S_ISREG(mode) and fst in _DAEMON_FS:
-                kind = WORKER_POOL
-                reason = (
-                    f"O_DIRECT on worker threads: {FS_NAMES[fst]} would make io_submit wait for its daemon"
-                )
+            kind, align, mem_align, why = _direct_service(fd, st, fst)
+            reason = why or reason
         else:
             align = mem_align = 1
             kind = WORKER_POOL
@@ -185,6 +171,42 @@ def open_handle(
         os.close(fd)
         raise
     return h, OpenInfo(is_direct, align, mem_align, fst, reason)
+
+
+def _reopen_buffered(fd: int, path: PathLike, flags: int) -> int:
+    """path opened again without O_DIRECT (the file exists now); fd is closed."""
+    reopened = _os_open(path, flags & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC))
+    os.close(fd)
+    fcntl.fcntl(reopened, fcntl.F_SETFL, fcntl.fcntl(reopened, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    return reopened
+
+
+def _direct_service(fd: int, st: dict[str, Any], fst: int) -> tuple[int, int, int, str | None]:
+    """How to serve an O_DIRECT fd: (kind, offset alignment, memory alignment,
+    why not kernel AIO or None). Shared by paths we open and fds we are given."""
+    mode = st["mode"]
+    align, mem_align = st["dio_offset_align"], st["dio_mem_align"]
+    if align == 0:
+        align = _block_device_sector(fd) if stat.S_ISBLK(mode) else _DEFAULT_ALIGN
+    if mem_align == 0:
+        mem_align = align
+    # f_type of a block device node is its directory's filesystem
+    # (devtmpfs says tmpfs): only regular files live on these.
+    if stat.S_ISREG(mode) and fst in _DAEMON_FS:
+        return (
+            WORKER_POOL,
+            align,
+            mem_align,
+            (f"O_DIRECT on worker threads: {FS_NAMES[fst]} would make io_submit wait for its daemon"),
+        )
+    if stat.S_ISREG(mode) and fst in _MEMORY_FS:
+        return (
+            WORKER_POOL,
+            align,
+            mem_align,
+            (f"O_DIRECT on worker threads: {FS_NAMES[fst]} is memory, io_submit would copy inline"),
+        )
+    return KERNEL_AIO, align, mem_align, None
 
 
 def _inode(st: dict[str, Any]) -> Inode:
@@ -264,16 +286,14 @@ def _handle_from_fd(fd: int) -> FileHandle:
         st = fstatx(dup)
         if stat.S_ISDIR(st["mode"]):
             raise os_error(errno.EISDIR, f"<fd {fd}>")
-        align, mem_align = st["dio_offset_align"], st["dio_mem_align"]
         if direct:
-            align = align or _DEFAULT_ALIGN
-            mem_align = mem_align or align
+            kind, align, mem_align, _ = _direct_service(dup, st, fs_type(dup))
         else:
-            align = mem_align = 1
+            kind, align, mem_align = WORKER_POOL, 1, 1
         return FileHandle(
             dup,
             f"<fd {fd}>",
-            KERNEL_AIO if direct else WORKER_POOL,
+            kind,
             direct,
             acc in (os.O_RDONLY, os.O_RDWR),
             acc in (os.O_WRONLY, os.O_RDWR),

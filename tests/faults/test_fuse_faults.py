@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 
 import numpy as np
 import pytest
@@ -95,3 +96,21 @@ async def test_a_failing_close_after_the_last_request_loses_nothing(faultfs):
     for i in range(4):
         assert np.array_equal(outs[i], data[i * MiB : (i + 1) * MiB]), i
     assert f.closed
+
+
+async def test_an_o_direct_fd_on_fuse_goes_to_the_workers_too(faultfs):
+    # an fd the caller opened is routed like a path: io_submit on FUSE waits
+    # for the daemon, so the worker pool serves it
+    path = str(faultfs.mnt / "d.bin")
+    data = _data(2 * MiB, 4)
+    await nvme.pwrite(data, path)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        out = nvme.empty(2 * MiB)
+        before = nvme.stats()
+        assert await nvme.pread(out, fd) == out.nbytes
+        after = nvme.stats()
+    finally:
+        os.close(fd)
+    assert np.array_equal(out, data)
+    assert after["submitted"] == before["submitted"] and after["thread_jobs"] > before["thread_jobs"]
