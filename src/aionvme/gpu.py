@@ -1098,34 +1098,46 @@ def run_sync(
 ) -> int:
     """The blocking twin of :func:`transfer` (no event loop needed)."""
     try:
-        torch = require_cuda("a CUDA tensor transfer")
-        dev = [(b, o) for b, o in items if is_cuda(b)]
-        host = [(b, o) for b, o in items if not is_cuda(b)]
+        require_cuda("a CUDA tensor transfer")
+        dev = [i for i, (b, _) in enumerate(items) if is_cuda(b)]
+        host = [i for i, (b, _) in enumerate(items) if not is_cuda(b)]
         total = 0
         if host:
             make = eng.writev if write else eng.readv
-            total += _run(eng, make(fh, host, *params))
-        if defaults.settings.gpu_path != "bounce":
-            _open_driver()
-        why = gds_choice(fh)
-        if why is None:
-            flats, gitems = _gds_items(dev)
-            for d in {f.device for f in flats}:
-                torch.cuda.current_stream(d).synchronize()
             try:
-                n = _run(eng, _engine.gds_submit(eng, fh, gitems, write, _gds_block(), params[1]))
-                _stats["gds_requests"] += 1
-                _stats["gds_bytes"] += n
-                return total + n
-            except CuFileError as e:
-                if e.code not in _FALL_BACK or defaults.settings.gpu_path == "gds":
-                    raise
-                _refuse(fh, f"cuFile refused a transfer: {e.strerror}")
-                _engine.gds_refuse_file(fh, e)
-        return total + _bounce_sync(eng, fh, write, dev, params)
+                total += _run(eng, make(fh, [items[i] for i in host], *params))
+            except ShortReadError as e:
+                raise _renumbered(e, host, len(items)) from None
+        try:
+            return total + _device_sync(eng, fh, write, [items[i] for i in dev], params)
+        except ShortReadError as e:
+            raise _renumbered(e, dev, len(items)) from None
     finally:
         if temporary:
             fh.close()
+
+
+def _device_sync(eng: Engine, fh: FileHandle, write: bool, dev: list[tuple[Any, int]], params: Params) -> int:
+    """The CUDA items of run_sync: cuFile where it serves the file, else bounce."""
+    torch = require_cuda("a CUDA tensor transfer")
+    if defaults.settings.gpu_path != "bounce":
+        _open_driver()
+    why = gds_choice(fh)
+    if why is None:
+        flats, gitems = _gds_items(dev)
+        for d in {f.device for f in flats}:
+            torch.cuda.current_stream(d).synchronize()
+        try:
+            n = _run(eng, _engine.gds_submit(eng, fh, gitems, write, _gds_block(), params[1]))
+            _stats["gds_requests"] += 1
+            _stats["gds_bytes"] += n
+            return n
+        except CuFileError as e:
+            if e.code not in _FALL_BACK or defaults.settings.gpu_path == "gds":
+                raise
+            _refuse(fh, f"cuFile refused a transfer: {e.strerror}")
+            _engine.gds_refuse_file(fh, e)
+    return _bounce_sync(eng, fh, write, dev, params)
 
 
 def _at_exit() -> None:
