@@ -50,11 +50,11 @@ from .memory import empty, is_aligned
 from .runtime import aclose, stats
 
 
-def info(path: str | None = None) -> dict[str, Any]:
+def info(path: str | None = None, *, init_cuda: bool = False) -> dict[str, Any]:
     """What this machine offers aionvme (``aionvme info`` as a dict); see :func:`aionvme._info.info`."""
     from ._info import info as _info
 
-    return _info(path)
+    return _info(path, init_cuda=init_cuda)
 
 
 __version__ = "0.1.0"

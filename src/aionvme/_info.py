@@ -264,11 +264,24 @@ def _probe_cufile(timeout: float = 120.0) -> dict[str, Any]:
         return out
 
 
-def gpu() -> dict[str, Any]:
-    """CUDA devices: through torch when it is installed, else the NVIDIA driver's /proc."""
+def gpu(init_cuda: bool = False) -> dict[str, Any]:
+    """CUDA devices: through torch when it is installed, else the NVIDIA driver's /proc.
+    Device properties need CUDA initialised in this process: only with
+    ``init_cuda`` (the ``aionvme info`` command, a process of its own) or
+    where it already is."""
     if importlib.util.find_spec("torch") is not None:
         import torch
 
+        if torch.cuda.is_available() and not (init_cuda or torch.cuda.is_initialized()):
+            # get_device_name/properties would initialise CUDA in this
+            # process (a fork after it cannot use CUDA): the driver's list
+            names = _proc_gpu_models()
+            return {
+                "cuda": True,
+                "devices": names or [f"{torch.cuda.device_count()} device(s)"],
+                "source": f"/proc/driver/nvidia (torch CUDA {torch.version.cuda}, not initialised)",
+                "details": [],
+            }
         if torch.cuda.is_available():
             n = torch.cuda.device_count()
             names = [torch.cuda.get_device_name(i) for i in range(n)]
@@ -295,9 +308,26 @@ def gpu() -> dict[str, Any]:
             "source": f"torch {torch.__version__}: no CUDA device",
             "details": [],
         }
-    gpus = "/proc/driver/nvidia/gpus"
-    devices = sorted(os.listdir(gpus)) if os.path.isdir(gpus) else []
+    devices = _proc_gpu_models()
     return {"cuda": bool(devices), "devices": devices, "source": "/proc/driver/nvidia", "details": []}
+
+
+def _proc_gpu_models() -> list[str]:
+    """The NVIDIA driver's GPUs ("Model:" of each, else its bus id), no CUDA involved."""
+    gpus = "/proc/driver/nvidia/gpus"
+    out = []
+    for bus in sorted(os.listdir(gpus)) if os.path.isdir(gpus) else []:
+        model = bus
+        try:
+            with open(os.path.join(gpus, bus, "information"), errors="replace") as f:
+                for line in f:
+                    if line.startswith("Model:"):
+                        model = line.split(":", 1)[1].strip() or bus
+                        break
+        except OSError:
+            pass
+        out.append(model)
+    return out
 
 
 def _gpu_transfers() -> dict[str, Any]:
@@ -324,7 +354,7 @@ def versions() -> dict[str, str | None]:
     }
 
 
-def info(path: str | None = None) -> dict[str, Any]:
+def info(path: str | None = None, *, init_cuda: bool = False) -> dict[str, Any]:
     """Everything ``aionvme info`` reports, as plain JSON-able data.
 
     Parameters
@@ -333,6 +363,10 @@ def info(path: str | None = None) -> dict[str, Any]:
         Directory whose filesystem, O_DIRECT support and alignment to probe
         (a 4 KiB temporary file is written and removed). Default: the
         current directory.
+    init_cuda : bool
+        Let torch initialise CUDA in this process for the GPUs' properties
+        (capability, memory). Off by default: a process that forks after
+        CUDA started cannot use CUDA in its children.
     """
     aio = kernel_aio()
     return {
@@ -343,7 +377,7 @@ def info(path: str | None = None) -> dict[str, Any]:
         "path": path_info(path or os.getcwd()),
         "limits": limits(),
         "cufile": cufile(),
-        "gpu": gpu(),
+        "gpu": gpu(init_cuda),
         "gpu_transfers": _gpu_transfers(),
         "defaults": defaults.get(),
         "platform": {"machine": platform.machine(), "executable": sys.executable},

@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
     if args.path is not None and not os.path.isdir(args.path):
         print(f"aionvme info: {args.path} is not a directory")
         return 2
-    d = info(args.path)
+    d = info(args.path, init_cuda=True)  # a process of its own: CUDA may start
     if args.json:
         print(json.dumps(d, indent=2))
         return 0
