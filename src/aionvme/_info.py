@@ -272,7 +272,7 @@ def gpu(init_cuda: bool = False) -> dict[str, Any]:
     if importlib.util.find_spec("torch") is not None:
         import torch
 
-        if torch.cuda.is_available() and not (init_cuda or torch.cuda.is_initialized()):
+        if torch.cuda.is_available() and not (init_cuda or torch.cuda.is_initialized()):  # type: ignore[no-untyped-call]
             # get_device_name/properties would initialise CUDA in this
             # process (a fork after it cannot use CUDA): the driver's list
             names = _proc_gpu_models()

@@ -395,7 +395,7 @@ def _run(args: argparse.Namespace) -> int:
             modes = ["gather", "batch"] if (name == "randread" and args.mode == "both") else [args.mode]
             for m in modes:
                 plan.extend((sv, name, m) for _ in range(args.repeat))
-    note = "not root: the page cache was not dropped (O_DIRECT bypasses it)"
+    note: str | None = "not root: the page cache was not dropped (O_DIRECT bypasses it)"
 
     results: dict[tuple[Any, str, str], list[dict[str, Any]]] = {}
     t0 = time.perf_counter()
