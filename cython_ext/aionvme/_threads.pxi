@@ -31,17 +31,22 @@ cdef inline int64_t _full_pread(int fd, char *buf, int64_t n, int64_t off) noexc
 
 
 cdef inline int64_t _full_pwrite(int fd, const char *buf, int64_t n, int64_t off) noexcept nogil:
-    cdef int64_t done = 0
+    # Loops over short counts like _full_pread, restarting at the aligned
+    # position at or below what was written (rewriting a few bytes with the
+    # same data): on an O_DIRECT fd a retry at an unaligned position answers
+    # EINVAL, which would hide the real cause of the short count (ENOSPC).
+    cdef int64_t done = 0, at
     cdef ssize_t r
     while done < n:
-        r = pwrite(fd, buf + done, n - done, off + done)
+        at = done - done % _RESTART_ALIGN
+        r = pwrite(fd, buf + at, n - at, off + at)
         if r < 0:
             if errno == EINTR:
                 continue
             return -errno
-        if r == 0:
-            break
-        done += r
+        if at + r <= done:
+            break   # no progress
+        done = at + r
     return done
 
 
