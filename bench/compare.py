@@ -118,11 +118,13 @@ async def threadpool_seqwrite(path: str, size: int) -> dict[str, float]:
     try:
         t0 = time.perf_counter()
         c0 = time.process_time()
-        await asyncio.gather(
+        wrote = await asyncio.gather(
             *(asyncio.to_thread(os.pwritev, fd, [buf[o : o + REQ]], o) for o in range(0, size, REQ))
         )
         await asyncio.to_thread(os.fsync, fd)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        if sum(wrote) != size:
+            raise RuntimeError(f"threadpool pwritev: {sum(wrote)} of {size} bytes written")
     finally:
         os.close(fd)
     return dict(mb_s=size / wall / 1e6, cpu_s_per_gib=cpu / (size / 2**30))

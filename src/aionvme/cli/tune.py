@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -504,9 +505,17 @@ def run(args: argparse.Namespace) -> int:
     print_table(ranked)
     best = ranked[0]
     cfg = config_of(best, sweep, bench, args)
-    with open(args.output, "w") as f:
-        json.dump(cfg, f, indent=2)
-        f.write("\n")
+    # replaced whole, never left half-written over a config in use
+    tmp = f"{args.output}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(cfg, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, args.output)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
     print(
         f"best: {best.knobs.label()}: read {best.read:.2f} GB/s, write {best.write:.2f} GB/s "
         f"({len(ranked)} points, {timer():.1f} s)"
