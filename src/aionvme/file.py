@@ -192,20 +192,13 @@ def _direct_service(fd: int, st: dict[str, Any], fst: int) -> tuple[int, int, in
         mem_align = align
     # f_type of a block device node is its directory's filesystem
     # (devtmpfs says tmpfs): only regular files live on these.
+    why = None
     if stat.S_ISREG(mode) and fst in _DAEMON_FS:
-        return (
-            WORKER_POOL,
-            align,
-            mem_align,
-            (f"O_DIRECT on worker threads: {FS_NAMES[fst]} would make io_submit wait for its daemon"),
-        )
-    if stat.S_ISREG(mode) and fst in _MEMORY_FS:
-        return (
-            WORKER_POOL,
-            align,
-            mem_align,
-            (f"O_DIRECT on worker threads: {FS_NAMES[fst]} is memory, io_submit would copy inline"),
-        )
+        why = f"{FS_NAMES[fst]} would make io_submit wait for its daemon"
+    elif stat.S_ISREG(mode) and fst in _MEMORY_FS:
+        why = f"{FS_NAMES[fst]} is memory, io_submit would copy inline"
+    if why is not None:
+        return WORKER_POOL, align, mem_align, f"O_DIRECT on worker threads: {why}"
     return KERNEL_AIO, align, mem_align, None
 
 
