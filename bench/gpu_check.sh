@@ -109,7 +109,8 @@ step "summary"
 echo "$verdict"
 "$PY" - "$OUT/bench_gpu.json" "$OUT/info.json" <<'EOF' | tee "$OUT/summary.txt"
 import json, sys
-from aionvme.cli.bench import _gpu_table
+from aionvme.bench import Result
+from aionvme.bench.render import gpu_table
 try:
     b = json.load(open(sys.argv[1]))
 except (OSError, ValueError) as e:
@@ -121,6 +122,6 @@ print(f"device: {b['device']}; cuFile {cf.get('version')} mode={cf.get('mode')} 
 print("GB/s: bytes / wall time of a whole transfer (reads: file -> CUDA tensor, verified on the GPU;")
 print("writes: CUDA tensor -> file, fsync included); 'vs host': against pread into host memory + .cuda()")
 print("(reads) or .cpu() + pwrite (writes); 'path used': what gpu.stats() saw the transfers take.")
-print(_gpu_table(b["results"]))
+print(gpu_table([Result.from_dict(r) for r in b["results"]], width=100))
 EOF
 [ ${#failed[@]} -eq 0 ]
