@@ -143,11 +143,12 @@ def _context(args: argparse.Namespace, workdir: str, mode: str) -> B.Context:
 
 
 def _list() -> int:
-    rows = []
-    for n in B.names():
+    names = B.names()
+    w = max(len(n) for n in names) + 2
+    for n in names:
         e = B.get(n)
-        rows.append([n, ("" if e.in_all else "(not in 'all') ") + e.help])
-    print(render.table(("workload", "what it measures"), rows, left=2))
+        text = ("" if e.in_all else "(not in 'all') ") + e.help
+        print(fit(f"{n:<{w}}{text}", terminal_width(), " " * w))
     return 0
 
 
