@@ -18,6 +18,10 @@ Baselines:
   aiofiles        aiofiles (thread pool, buffered, page cache dropped before each run when root)
   caio            caio's linux_aio context (returns copies; buffered fd: it cannot align buffers)
   numpy.fromfile  one call for the whole file (buffered)
+
+aionvme's figures come from aionvme.bench (the workloads of ``aionvme bench``);
+every tool is timed by the same aionvme.bench.Timer and reported as the same
+aionvme.bench.Result.
 """
 
 from __future__ import annotations
@@ -29,27 +33,26 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
 
-from aionvme import benchmark as B
-from aionvme.cli._common import drop_caches, local_scratch_dir
+from aionvme import bench as B
+from aionvme.bench import render
 from aionvme.defaults import parse_size
 
 REQ = 64 << 20
+Rep = dict[str, B.Result]
 
 
 # -- fio ---------------------------------------------------------------------------------
 
 
-def fio(path: str, rw: str, bs: str, iodepth: int, engine: str, size: int, **extra: Any) -> dict[str, float]:
+def fio(path: str, rw: str, bs: str, iodepth: int, engine: str, size: int, **extra: Any) -> B.Result:
     cmd = [
         "fio",
         "--name=job",
@@ -63,22 +66,20 @@ def fio(path: str, rw: str, bs: str, iodepth: int, engine: str, size: int, **ext
         "--output-format=json",
         "--thread",
     ] + [f"--{k}={v}" for k, v in extra.items()]
-    t0 = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    wall = time.perf_counter() - t0
     job = json.loads(out.stdout[out.stdout.index("{") :])["jobs"][0]
     side = job["read"] if rw in ("read", "randread") else job["write"]
     runtime = side["runtime"] / 1000.0
-    ios = side["total_ios"]
     cpu = (job["usr_cpu"] + job["sys_cpu"]) / 100.0 * runtime
-    return dict(
-        mb_s=side["bw_bytes"] / 1e6,
-        iops=side["iops"],
-        runtime_s=runtime,
-        wall_s=wall,
+    return B.Result(
+        f"fio-{rw}",
+        nbytes=side["io_bytes"],
+        ops=side["total_ios"],
+        wall_s=runtime,
         cpu_s=cpu,
-        cpu_us_per_op=cpu / ios * 1e6 if ios else 0.0,
-        cpu_s_per_gib=cpu / (side["io_bytes"] / 2**30) if side["io_bytes"] else 0.0,
+        user_s=job["usr_cpu"] / 100.0 * runtime,
+        sys_s=job["sys_cpu"] / 100.0 * runtime,
+        params=dict(engine=engine, bs=bs, iodepth=iodepth),
     )
 
 
@@ -86,53 +87,43 @@ def fio(path: str, rw: str, bs: str, iodepth: int, engine: str, size: int, **ext
 
 
 def _aligned_touched(n: int) -> np.ndarray:
-    from aionvme import empty
-
-    b = empty(n)
-    b[::4096] = 1
-    return b
+    return B.touched_buffers(n, n)[0]
 
 
-async def threadpool_seqread(path: str, size: int) -> dict[str, float]:
+async def threadpool_seqread(path: str, size: int) -> B.Result:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     buf = _aligned_touched(size)
     try:
-        t0 = time.perf_counter()
-        c0 = time.process_time()
-        got = await asyncio.gather(
-            *(asyncio.to_thread(os.preadv, fd, [buf[o : o + REQ]], o) for o in range(0, size, REQ))
-        )
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        with B.Timer() as t:
+            got = await asyncio.gather(
+                *(asyncio.to_thread(os.preadv, fd, [buf[o : o + REQ]], o) for o in range(0, size, REQ))
+            )
     finally:
         os.close(fd)
-    if sum(got) != size:
-        raise RuntimeError("threadpool: short read")
-    return dict(mb_s=size / wall / 1e6, cpu_s_per_gib=cpu / (size / 2**30))
+    return t.result("seqread", size, len(got), verified=sum(got) == size)
 
 
-async def threadpool_seqwrite(path: str, size: int) -> dict[str, float]:
+async def threadpool_seqwrite(path: str, size: int) -> B.Result:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
     buf = _aligned_touched(size)
     try:
-        t0 = time.perf_counter()
-        c0 = time.process_time()
-        wrote = await asyncio.gather(
-            *(asyncio.to_thread(os.pwritev, fd, [buf[o : o + REQ]], o) for o in range(0, size, REQ))
-        )
-        await asyncio.to_thread(os.fsync, fd)
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        if sum(wrote) != size:
-            raise RuntimeError(f"threadpool pwritev: {sum(wrote)} of {size} bytes written")
+        with B.Timer() as t:
+            wrote = await asyncio.gather(
+                *(asyncio.to_thread(os.pwritev, fd, [buf[o : o + REQ]], o) for o in range(0, size, REQ))
+            )
+            await asyncio.to_thread(os.fsync, fd)
     finally:
         os.close(fd)
-    return dict(mb_s=size / wall / 1e6, cpu_s_per_gib=cpu / (size / 2**30))
+    if sum(wrote) != size:
+        raise RuntimeError(f"threadpool pwritev: {sum(wrote)} of {size} bytes written")
+    return t.result("seqwrite", size, len(wrote))
 
 
-async def threadpool_randread(path: str, ops: int, iodepth: int) -> dict[str, float]:
+async def threadpool_randread(path: str, ops: int, iodepth: int) -> B.Result:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    offs = B._random_offsets(ops, os.path.getsize(path), 4096).tolist()
+    offs = B.random_offsets(ops, os.path.getsize(path), 4096).tolist()
     bufs = _aligned_touched(iodepth * 4096).reshape(iodepth, 4096)
 
     async def worker(k: int) -> None:
@@ -141,16 +132,14 @@ async def threadpool_randread(path: str, ops: int, iodepth: int) -> dict[str, fl
             await asyncio.to_thread(os.preadv, fd, [b], offs[i])
 
     try:
-        t0 = time.perf_counter()
-        c0 = time.process_time()
-        await asyncio.gather(*(worker(k) for k in range(iodepth)))
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        with B.Timer() as t:
+            await asyncio.gather(*(worker(k) for k in range(iodepth)))
     finally:
         os.close(fd)
-    return dict(iops=ops / wall, cpu_us_per_op=cpu / ops * 1e6)
+    return t.result("randread", ops * 4096, ops)
 
 
-async def aiofiles_seqread(path: str, size: int) -> dict[str, float]:
+async def aiofiles_seqread(path: str, size: int) -> B.Result:
     import aiofiles
 
     buf = _aligned_touched(size)
@@ -161,19 +150,15 @@ async def aiofiles_seqread(path: str, size: int) -> dict[str, float]:
             n: int = await f.readinto(memoryview(buf)[o : o + REQ])
             return n
 
-    t0 = time.perf_counter()
-    c0 = time.process_time()
-    got = await asyncio.gather(*(one(o) for o in range(0, size, REQ)))
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    if sum(got) != size:
-        raise RuntimeError("aiofiles: short read")
-    return dict(mb_s=size / wall / 1e6, cpu_s_per_gib=cpu / (size / 2**30))
+    with B.Timer() as t:
+        got = await asyncio.gather(*(one(o) for o in range(0, size, REQ)))
+    return t.result("seqread", size, len(got), verified=sum(got) == size)
 
 
-async def aiofiles_randread(path: str, ops: int, iodepth: int) -> dict[str, float]:
+async def aiofiles_randread(path: str, ops: int, iodepth: int) -> B.Result:
     import aiofiles
 
-    offs = B._random_offsets(ops, os.path.getsize(path), 4096).tolist()
+    offs = B.random_offsets(ops, os.path.getsize(path), 4096).tolist()
 
     async def worker(k: int) -> None:
         async with aiofiles.open(path, "rb", buffering=0) as f:
@@ -181,11 +166,9 @@ async def aiofiles_randread(path: str, ops: int, iodepth: int) -> dict[str, floa
                 await f.seek(offs[i])
                 await f.read(4096)
 
-    t0 = time.perf_counter()
-    c0 = time.process_time()
-    await asyncio.gather(*(worker(k) for k in range(iodepth)))
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return dict(iops=ops / wall, cpu_us_per_op=cpu / ops * 1e6)
+    with B.Timer() as t:
+        await asyncio.gather(*(worker(k) for k in range(iodepth)))
+    return t.result("randread", ops * 4096, ops)
 
 
 def _caio_context(n: int) -> Any:
@@ -194,85 +177,70 @@ def _caio_context(n: int) -> Any:
     return AsyncioContext(max_requests=n)
 
 
-async def caio_seqread(path: str, size: int) -> dict[str, float]:
+async def caio_seqread(path: str, size: int) -> B.Result:
     ctx = _caio_context(128)
     fd = os.open(path, os.O_RDONLY)
     try:
-        t0 = time.perf_counter()
-        c0 = time.process_time()
-        got = await asyncio.gather(*(ctx.read(min(REQ, size - o), fd, o) for o in range(0, size, REQ)))
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        with B.Timer() as t:
+            got = await asyncio.gather(*(ctx.read(min(REQ, size - o), fd, o) for o in range(0, size, REQ)))
     finally:
         os.close(fd)
         ctx.close()
-    if sum(len(g) for g in got) != size:
-        raise RuntimeError("caio: short read")
-    return dict(mb_s=size / wall / 1e6, cpu_s_per_gib=cpu / (size / 2**30))
+    return t.result("seqread", size, len(got), verified=sum(len(g) for g in got) == size)
 
 
-async def caio_randread(path: str, ops: int, iodepth: int) -> dict[str, float]:
+async def caio_randread(path: str, ops: int, iodepth: int) -> B.Result:
     ctx = _caio_context(iodepth)
     fd = os.open(path, os.O_RDONLY)
-    offs = B._random_offsets(ops, os.path.getsize(path), 4096).tolist()
+    offs = B.random_offsets(ops, os.path.getsize(path), 4096).tolist()
 
     async def worker(k: int) -> None:
         for i in range(k, ops, iodepth):
             await ctx.read(4096, fd, offs[i])
 
     try:
-        t0 = time.perf_counter()
-        c0 = time.process_time()
-        await asyncio.gather(*(worker(k) for k in range(iodepth)))
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        with B.Timer() as t:
+            await asyncio.gather(*(worker(k) for k in range(iodepth)))
     finally:
         os.close(fd)
         ctx.close()
-    return dict(iops=ops / wall, cpu_us_per_op=cpu / ops * 1e6)
+    return t.result("randread", ops * 4096, ops)
 
 
-def numpy_fromfile(path: str) -> dict[str, float]:
+def numpy_fromfile(path: str) -> B.Result:
     size = os.path.getsize(path)
-    t0 = time.perf_counter()
-    c0 = time.process_time()
-    a = np.fromfile(path, dtype=np.uint8)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    if a.nbytes != size:
-        raise RuntimeError("numpy.fromfile: short read")
-    return dict(mb_s=size / wall / 1e6, cpu_s_per_gib=cpu / (size / 2**30))
+    with B.Timer() as t:
+        a = np.fromfile(path, dtype=np.uint8)
+    return t.result("seqread", size, 1, verified=a.nbytes == size and B.holds_pattern(a[:4096], 0))
 
 
 # -- the run -----------------------------------------------------------------------------------
 
 
-def _run(coro_fn: Callable[[], Awaitable[Any]], loop: str) -> Any:
-    if loop == "uvloop":
-        import uvloop
+def _run(coro_fn: Callable[[], Awaitable[B.Result]], loop: str) -> B.Result:
+    async def main() -> B.Result:
+        return await coro_fn()
 
-        return uvloop.run(coro_fn())
-    return asyncio.run(coro_fn())
+    return B.run_loop(main(), loop)
 
 
 def _fresh(buffered: bool) -> None:
     if buffered and os.geteuid() == 0:
-        drop_caches()
+        B.drop_caches()
 
 
-def _ours(r: B.Result) -> dict[str, float]:
-    s = r.summary()
-    if not s["verified"]:
-        raise RuntimeError(f"aionvme {s['workload']}: data mismatch")
-    return {
-        k: s[k]
-        for k in ("mb_s", "iops", "cpu_s_per_gib", "cpu_us_per_op", "p50_us", "p99_us", "max_stall_ms")
-    }
+def _ours(r: B.Result) -> B.Result:
+    if not r.verified:
+        raise RuntimeError(f"aionvme {r.label}: data mismatch")
+    return r
 
 
-def one_repetition(args: argparse.Namespace, d: str) -> dict[str, dict[str, float]]:
+def one_repetition(args: argparse.Namespace, d: str) -> Rep:
     size, ops, qd = args.size, args.ops, args.iodepth
     path = os.path.join(d, "read.bin")
     wpath = os.path.join(d, "write.bin")
     B.make_file(path, size)
-    res: dict[str, dict[str, float]] = {}
+    res: Rep = {}
     have_fio = shutil.which("fio") is not None
     have = {m: _importable(m) for m in ("aiofiles", "caio")}
 
@@ -339,69 +307,73 @@ def _importable(name: str) -> bool:
         return False
 
 
-def summarize(reps: list[dict[str, dict[str, float]]]) -> list[dict[str, Any]]:
+def _metric(workload: str) -> str:
+    return "iops" if workload == "randread" else "mb_s"
+
+
+def summarize(reps: list[Rep]) -> list[dict[str, Any]]:
     rows = []
     for key in reps[0]:
         workload, tool = key.split("/", 1)
-        metric = "iops" if workload == "randread" else "mb_s"
-        vals = [r[key][metric] for r in reps if key in r]
+        metric = _metric(workload)
+        mine = [r[key] for r in reps if key in r]
         ratios = []
         for r in reps:
-            ceiling = _fio_ref(r, workload, metric)
+            ceiling = _fio_ref(r, workload)
             if ceiling and key in r:
-                ratios.append(r[key][metric] / ceiling)
+                ratios.append(getattr(r[key], metric) / ceiling)
         row: dict[str, Any] = dict(
             workload=workload,
             tool=tool,
             metric=metric,
-            median=statistics.median(vals),
-            runs=len(vals),
-            ratio_to_fio=statistics.median(ratios) if ratios else None,
+            median=B.median(getattr(x, metric) for x in mine),
+            runs=len(mine),
+            ratio_to_fio=B.median(ratios) if ratios else None,
+            cpu_s_per_gib=B.median(x.cpu_s_per_gib for x in mine),
+            cpu_us_per_op=B.median(x.cpu_us_per_op for x in mine),
+            verified=all(x.verified for x in mine),
         )
-        for extra in ("cpu_s_per_gib", "cpu_us_per_op", "p99_us", "max_stall_ms"):
-            xs = [r[key][extra] for r in reps if key in r and extra in r[key]]
-            if xs:
-                row[extra] = max(xs) if extra == "max_stall_ms" else statistics.median(xs)
+        if tool.startswith("aionvme"):  # the stall and latencies are measured for ours only
+            row["max_stall_ms"] = max(x.max_stall_s for x in mine) * 1e3
+            p99 = [x.p99_us for x in mine if x.p99_us is not None]
+            if p99:
+                row["p99_us"] = B.median(p99)
         rows.append(row)
     return rows
 
 
-def _fio_ref(rep: dict[str, dict[str, float]], workload: str, metric: str) -> float | None:
+def _fio_ref(rep: Rep, workload: str) -> float | None:
     """The fio figure a workload is compared with in one repetition (the
     issue's targets): the best point of the libaio and io_uring sweep for
     seqread; fio libaio for seqwrite (bs 1M, QD 32) and randread (4 KiB, QD 64)."""
     prefix = f"{workload}/fio" if workload == "seqread" else f"{workload}/fio libaio"
-    cands = [v[metric] for k, v in rep.items() if k.startswith(prefix)]
+    cands = [getattr(v, _metric(workload)) for k, v in rep.items() if k.startswith(prefix)]
     return max(cands) if cands else None
 
 
 def markdown(rows: list[dict[str, Any]], header: str) -> str:
-    out = [
-        header,
-        "",
-        "| workload | tool | median | vs fio | CPU | p99 µs | worst stall ms |",
-        "|---|---|---:|---:|---:|---:|---:|",
-    ]
+    head = ("workload", "tool", "median", "vs fio", "CPU", "p99 µs", "worst stall ms")
+    cells = []
     for r in rows:
         unit = "IOPS" if r["metric"] == "iops" else "MB/s"
         cpu = (
-            f"{r['cpu_us_per_op']:.1f} µs/op"
-            if r["metric"] == "iops" and "cpu_us_per_op" in r
-            else f"{r['cpu_s_per_gib']:.3f} s/GiB"
-            if "cpu_s_per_gib" in r
-            else ""
+            f"{r['cpu_us_per_op']:.1f} µs/op" if r["metric"] == "iops" else f"{r['cpu_s_per_gib']:.3f} s/GiB"
         )
-        ratio = f"{r['ratio_to_fio']:.2f}x" if r["ratio_to_fio"] is not None else ""
-        p99 = f"{r['p99_us']:,.0f}" if r.get("p99_us") else ""
-        stall = f"{r['max_stall_ms']:.0f}" if "max_stall_ms" in r else ""
-        out.append(
-            f"| {r['workload']} | {r['tool']} | {r['median']:,.0f} {unit} | {ratio} | {cpu} | "
-            f"{p99} | {stall} |"
+        cells.append(
+            [
+                r["workload"],
+                r["tool"] + ("" if r["verified"] else " (DATA MISMATCH)"),
+                f"{r['median']:,.0f} {unit}",
+                f"{r['ratio_to_fio']:.2f}x" if r["ratio_to_fio"] is not None else "",
+                cpu,
+                f"{r['p99_us']:,.0f}" if r.get("p99_us") else "",
+                f"{r['max_stall_ms']:.0f}" if "max_stall_ms" in r else "",
+            ]
         )
-    return "\n".join(out)
+    return header + "\n\n" + render.markdown_table(head, cells, right=2)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="1G")
     p.add_argument("--ops", type=int, default=100_000, help="4 KiB random reads per run (100000)")
@@ -412,20 +384,17 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="one fio point per engine instead of the sweep")
     p.add_argument("--json", default=None, help="write all figures to this file")
     p.add_argument("--markdown", default=None, help="write the table to this file")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.size = parse_size(args.size)
-    args.loops = [x for x in args.loops.split(",") if x]
+    args.loops = [B.resolve_loop(x) for x in args.loops.split(",") if x]
     if shutil.which("fio") is None:
         print("fio is not installed: ratios cannot be computed (apt-get install fio)", file=sys.stderr)
-    d = tempfile.mkdtemp(prefix="aionvme-compare-", dir=args.dir or local_scratch_dir())
-    reps = []
-    try:
+    reps: list[Rep] = []
+    with B.scratch_dir(args.dir) as d:
         for i in range(args.repeat):
             t0 = time.perf_counter()
             reps.append(one_repetition(args, d))
             print(f"repetition {i + 1}/{args.repeat}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
     rows = summarize(reps)
     header = (
         f"{time.strftime('%Y-%m-%d')}, {platform.node()}: {os.cpu_count()} CPUs, kernel "
@@ -439,8 +408,16 @@ def main() -> int:
             f.write(table + "\n")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(header=header, rows=rows, repetitions=reps), f, indent=1)
-    return 0
+            json.dump(
+                dict(
+                    header=header,
+                    rows=rows,
+                    repetitions=[{k: v.to_dict() for k, v in r.items()} for r in reps],
+                ),
+                f,
+                indent=1,
+            )
+    return 0 if all(r["verified"] for r in rows) else 1
 
 
 if __name__ == "__main__":

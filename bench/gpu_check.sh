@@ -14,7 +14,8 @@
 # gather of many, cancellation, pinned empty, safetensors/checkpoints to cuda)
 # and the engine's GDS tests with the stand-in libcufile; then `aionvme bench
 # --gpu` (NVMe->GPU and GPU->NVMe through cuFile, the pinned bounce pipeline and
-# host memory + .cuda()/.cpu()); last, a short table of GB/s per way.
+# host memory + .cuda()/.cpu()); `aionvme tune --gpu --quick` (the knobs swept
+# with CUDA tensors); last, a short table of GB/s per way.
 #
 # Environment: OUT (logs go there; default ./gpu_check_out), GPU_CHECK_SIZE
 # (bench file size, default 4G), GPU_CHECK_DIR (where the scratch files go:
@@ -98,6 +99,12 @@ if ! timeout 1200 "$PY" -m aionvme bench --gpu --size "$SIZE" --dir "$SCRATCH" -
     failed+=("bench")
     tail -20 "$OUT/bench_gpu.err"
 fi
+step "aionvme tune --gpu --quick (CUDA tensors through aionvme's GPU path)"
+if ! timeout 900 "$PY" -m aionvme tune --gpu --quick --dir "$SCRATCH" --output "$OUT/tune_gpu.json" \
+        > "$OUT/tune_gpu.log" 2>&1; then
+    failed+=("tune_gpu")
+fi
+tail -12 "$OUT/tune_gpu.log"
 rm -rf "$SCRATCH/pytest" "$SCRATCH/pytest-cpu"
 
 if [ ${#failed[@]} -eq 0 ]; then
@@ -109,7 +116,8 @@ step "summary"
 echo "$verdict"
 "$PY" - "$OUT/bench_gpu.json" "$OUT/info.json" <<'EOF' | tee "$OUT/summary.txt"
 import json, sys
-from aionvme.cli.bench import _gpu_table
+from aionvme.bench import Result
+from aionvme.bench.render import gpu_table
 try:
     b = json.load(open(sys.argv[1]))
 except (OSError, ValueError) as e:
@@ -121,6 +129,6 @@ print(f"device: {b['device']}; cuFile {cf.get('version')} mode={cf.get('mode')} 
 print("GB/s: bytes / wall time of a whole transfer (reads: file -> CUDA tensor, verified on the GPU;")
 print("writes: CUDA tensor -> file, fsync included); 'vs host': against pread into host memory + .cuda()")
 print("(reads) or .cpu() + pwrite (writes); 'path used': what gpu.stats() saw the transfers take.")
-print(_gpu_table(b["results"]))
+print(gpu_table([Result.from_dict(r) for r in b["results"]], width=100))
 EOF
 [ ${#failed[@]} -eq 0 ]

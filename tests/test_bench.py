@@ -1,15 +1,29 @@
-"""Smoke tests of the bench tool: every workload runs on a few MiB, verifies
-its data and reports sane figures (speed itself is measured in bench/)."""
+"""The benchmark package (aionvme.bench) and ``aionvme bench``: every workload
+runs on a few MiB and verifies its data; the one result type, timer, median
+and renderer behave (tables fit 80 columns); the registry runs workloads by
+name. Speed itself is measured in bench/, not here."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from aionvme import benchmark as B
+import aionvme
+from aionvme import bench as B
+from aionvme.bench import render
 from aionvme.cli import main
+
+SRC = str(Path(aionvme.__file__).parent.parent)
+IO = ["seqread", "seqwrite", "randread", "randwrite", "manyfiles"]
+SMALL = ["--size", "8M", "--ops", "2000", "--nfiles", "20", "--file-size", "64K", "--request-size", "2M"]
 
 
 def test_pattern_roundtrip():
@@ -22,88 +36,205 @@ def test_pattern_roundtrip():
 
 
 def test_cli_runs_every_io_workload(tmp_path, capsys):
-    rc = main(
-        [
-            "bench",
-            "--json",
-            "--dir",
-            str(tmp_path),
-            "--size",
-            "8M",
-            "--ops",
-            "2000",
-            "--nfiles",
-            "20",
-            "--file-size",
-            "64K",
-            "--request-size",
-            "2M",
-            "--loop",
-            "asyncio",
-            "-w",
-            "seqread,seqwrite,randread,randwrite,manyfiles",
-        ]
-    )
+    rc = main(["bench", "--json", "--dir", str(tmp_path), *SMALL, "--loop", "asyncio", "-w", ",".join(IO)])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    rows = {(r["workload"], (r.get("params") or {}).get("mode")): r for r in out["results"]}
-    assert set(w for w, _ in rows) == {"seqread", "seqwrite", "randread", "randwrite", "manyfiles"}
+    rows = {(r["workload"], r["params"].get("mode")): r for r in out["results"]}
+    assert set(w for w, _ in rows) == set(IO)
     assert ("randread", "gather") in rows and ("randread", "batch") in rows
     for r in rows.values():
-        assert r["verified"] is True
+        assert r["verified"] is True and r["skipped"] is None
         assert r["mb_s"] > 0 and r["ops"] > 0 and r["cpu_s"] >= 0
         assert r["max_stall_ms"] >= 0
+        # every I/O workload measures its latency, seqwrite included (it printed 0 before)
+        assert r["p50_us"] > 0 and r["p99_us"] >= r["p50_us"]
     assert rows[("seqread", None)]["nbytes"] == 8 << 20
+    assert rows[("seqwrite", None)]["ops"] == 4  # 8 MiB in requests of 2 MiB
     assert rows[("randread", "gather")]["ops"] == 2000
 
 
-def test_cli_table_and_sweep_plot(tmp_path, capsys):
+def test_cli_table_fits_80_columns_and_sweep_plot(tmp_path, capsys, monkeypatch):
     pytest.importorskip("matplotlib")
+    monkeypatch.setenv("COLUMNS", "80")
     png = tmp_path / "sweep.png"
-    rc = main(
-        [
-            "bench",
-            "--dir",
-            str(tmp_path),
-            "--size",
-            "4M",
-            "-w",
-            "seqread",
-            "--request-size",
-            "1M",
-            "--sweep",
-            "block_size=64K,1M",
-            "--plot",
-            str(png),
-            "--loop",
-            "uvloop",
-        ]
-    )
+    long_dir = tmp_path / "a-directory-with-a-rather-long-name-as-people-make-them"
+    long_dir.mkdir()
+    argv = ["bench", "--dir", str(long_dir), "--size", "4M", "-w", "seqread,seqwrite", "--request-size", "1M"]
+    argv += ["--sweep", "block_size=64K,1M"]
+    rc = main([*argv, "--plot", str(png), "--loop", "uvloop"])
     assert rc == 0
     text = capsys.readouterr().out
     assert "seqread" in text and "block_size=64K" in text and "block_size=1M" in text
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    seqwrite = [line for line in text.splitlines() if line.startswith("seqwrite")]
+    assert len(seqwrite) == 2 and all("n/a" not in line for line in seqwrite)
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_cli_format_workloads(tmp_path, capsys):
+@pytest.mark.slow
+def test_cli_format_workloads(tmp_path, capsys, monkeypatch):
     pytest.importorskip("safetensors")
-    rc = main(
-        [
-            "bench",
-            "--json",
-            "--dir",
-            str(tmp_path),
-            "--size",
-            "8M",
-            "-w",
-            "safetensors,checkpoint",
-            "--loop",
-            "asyncio",
-        ]
-    )
-    assert rc == 0
+    monkeypatch.setenv("COLUMNS", "80")
+    argv = [
+        "bench",
+        "--dir",
+        str(tmp_path),
+        "--size",
+        "8M",
+        "-w",
+        "safetensors,checkpoint",
+        "--loop",
+        "asyncio",
+    ]
+    assert main([*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [r["workload"] for r in out["results"]] == ["safetensors", "checkpoint"]
+    for r in out["results"]:
+        assert r["verified"] is True and r["mb_s"] > 0
+        assert r["figures"]["load_ratio"] > 0 and r["figures"]["save_ratio"] > 0
+        assert r["p50_us"] is None  # not measured: shown as n/a
+
+
+def _results() -> list[B.Result]:
+    """Results as the workloads make them, with the widest figures they can have."""
+    lat = list(np.linspace(1e-4, 9.9, 100))
+    rows = [
+        B.Result("seqread", 1 << 34, 256, 12.3, 1.2, latencies_s=lat, params=dict(misalign=4104)),
+        B.Result("seqwrite", 1 << 34, 256, 9.9, 2.3, latencies_s=lat, max_stall_s=12.345),
+        B.Result("randread", 4096 * 10**7, 10**7, 9.0, 88.0, latencies_s=lat, params=dict(mode="gather")),
+        B.Result("randread", 4096 * 10**7, 10**7, 9.0, 88.0, verified=False, params=dict(mode="batch")),
+        B.Result("manyfiles", 1 << 30, 1000, 1.0, 0.5, latencies_s=lat),
+        B.Result.skip("checkpoint", "needs torch (pip install torch)"),
+    ]
+    fig = dict(load_GBps=1.5, load_safetensors_GBps=0.7, load_ratio=2.1, save_GBps=1.0)
+    fig.update(save_safetensors_GBps=0.4, save_ratio=2.5)
+    rows.append(
+        B.Result("safetensors", 1 << 31, 0, 1.4, 0.7, params=dict(op="load"), figures=fig, notes=["x" * 150])
+    )
+    return rows
+
+
+def test_results_table_fits_80_columns():
+    title = "aionvme bench on /a/very/long/directory/name/that/goes/on/and/on, loop=uvloop, " * 2
+    text = render.results_table(_results(), title, width=80)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80, text
+    head = next(line for line in lines if line.startswith("workload"))
+    assert head.split() == [
+        "workload",
+        "MB/s",
+        "IOPS",
+        "CPU",
+        "s/GiB",
+        "CPU",
+        "µs/op",
+        "p50",
+        "µs",
+        "p99",
+        "µs",
+        "stall",
+        "ms",
+        "ok",
+    ]
+    rows = {line.split()[0] + line.split()[1]: line for line in lines if line.startswith(("safet", "check"))}
+    # a format row has its own figures in the columns and its comparisons as notes, no key=value block
+    assert "=" not in rows["safetensorsload"] and rows["safetensorsload"].split()[-1] == "yes"
+    assert "n/a" in rows["safetensorsload"]
+    assert "skipped: needs torch" in text and "checkpoint" in text
+    assert any(line.startswith("randread (batch)") and line.endswith("NO") for line in lines)
+    # the same table is as wide as it needs to be on a wider terminal, and no wider
+    assert max(len(line) for line in render.results_table(_results(), width=200).splitlines()) < 200
+
+
+def test_table_cuts_only_text_and_wraps_title():
+    rows = [["a" * 100, "1.23"], ["b", "4.56"]]
+    text = render.table(("name", "GB/s"), rows, title="t " * 60, notes=["n " * 60], width=40)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 40
+    assert any(line.endswith("1.23") and "…" in line for line in lines)
+    assert any(line.startswith("b ") and line.endswith("4.56") for line in lines)
+
+
+def test_gpu_table_fits_80_columns():
+    rows = [
+        B.Result("gpu-read", 4 << 30, 16, 1.0, params=dict(way="host", used="host")),
+        B.Result("gpu-read", 4 << 30, 16, 0.5, params=dict(way="bounce", used="bounce")),
+        B.Result.skip("gpu-read", "cuFile is not available: libcufile.so.0 was not found " * 2, way="gds"),
+    ]
+    text = render.gpu_table(rows, "aionvme bench --gpu on NVIDIA H200, 4G per transfer " * 2, width=80)
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    assert "2.00x" in text and "unavailable: cuFile" in text
+    again = [B.Result.from_dict(r.to_dict()) for r in rows]  # as gpu_check.sh reads the JSON back
+    assert render.gpu_table(again, width=80) == render.gpu_table(rows, width=80)
+
+
+def test_median_result():
+    runs = [
+        B.Result("seqread", 100, 1, wall, 0.1, max_stall_s=stall, latencies_s=[wall], figures={"x": wall})
+        for wall, stall in ((1.0, 0.001), (3.0, 0.5), (2.0, 0.002))
+    ]
+    runs[1].verified = False
+    m = B.median_result(runs)
+    assert m.wall_s == 2.0 and m.figures["x"] == 2.0 and m.p50_us == pytest.approx(2e6)
+    assert m.max_stall_s == 0.5 and m.verified is False and m.runs == 3
+    assert B.median([]) == 0.0 and B.spread([3, 1, 2]) == (2, 1, 3)
+    with pytest.raises(ValueError):
+        B.median_result([])
+
+
+async def test_timer_sees_a_loop_stall():
+    with B.Timer() as t:
+        await asyncio.sleep(0.005)
+        time.sleep(0.03)  # the loop is blocked: the monitor's callback runs late
+        await asyncio.sleep(0.005)
+    assert t.max_stall >= 0.02 and t.wall >= 0.04 and t.cpu >= 0
+    r = t.result("x", 1 << 20, 1)
+    assert r.max_stall_s == t.max_stall and r.mb_s > 0
+
+
+def test_timer_without_a_loop():
+    with B.Timer() as t:
+        sum(range(100_000))
+    assert t.wall > 0 and t.max_stall == 0.0
+
+
+async def test_registry_runs_a_registered_workload(tmp_path):
+    @B.register("test-echo", help="a workload of the test suite", in_all=False)
+    async def echo(ctx: B.Context) -> B.Result:
+        with B.Timer() as t:
+            await aionvme.pwrite(np.full(4096, 7, np.uint8), os.path.join(ctx.workdir, "e.bin"))
+        return t.result("test-echo", 4096, 1, params=dict(n=ctx.option("n", 0, int)))
+
+    assert "test-echo" in B.names() and "test-echo" not in B.names(all_only=True)
+    r = await B.run("test-echo", B.Context(str(tmp_path), options={"n": "3"}))
+    assert r.params == {"n": 3} and (tmp_path / "e.bin").read_bytes() == b"\x07" * 4096
+    with pytest.raises(B.UnknownWorkloadError, match="known: seqread") as e:
+        B.get("nope")
+    assert isinstance(e.value, KeyError) and isinstance(e.value, aionvme.AionvmeError)
+
+
+def test_cli_runs_a_workload_by_module_path(tmp_path, capsys, monkeypatch):
+    (tmp_path / "mywork.py").write_text(
+        "from aionvme.bench import Result\n"
+        "async def run(ctx):\n"
+        "    return Result('mine', 10**6, 1, 0.5, params={'k': ctx.options['k']})\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert (
+        main(
+            ["bench", "--json", "--dir", str(tmp_path), "-w", "mywork:run", "-o", "k=v", "--loop", "asyncio"]
+        )
+        == 0
+    )
+    (r,) = json.loads(capsys.readouterr().out)["results"]
+    assert r["workload"] == "mine" and r["params"] == {"k": "v"} and r["mb_s"] == 2.0
+
+
+def test_cli_lists_workloads(capsys):
+    assert main(["bench", "--list"]) == 0
+    out = capsys.readouterr().out
+    for name in [*IO, "safetensors", "checkpoint", "gpu-read"]:
+        assert name in out
 
 
 async def test_misaligned_seqread_verifies(tmp_path):
@@ -114,7 +245,7 @@ async def test_misaligned_seqread_verifies(tmp_path):
 
 
 def test_bad_workload_name(tmp_path):
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match="unknown workload 'nope'"):
         main(["bench", "-w", "nope", "--dir", str(tmp_path)])
 
 
@@ -135,13 +266,24 @@ def test_make_file_never_overwrites_another_programs_file(tmp_path):
 
 
 def test_misaligned_seqread_checks_every_byte(tmp_path):
-    import asyncio
-
     p = str(tmp_path / "f.bin")
     B.make_file(p, 4 << 20)
-    r = asyncio.run(B.seqread(p, request_size=1 << 20, misalign=5))
-    assert r.summary()["verified"]
+    r = B.run_loop(B.seqread(p, request_size=1 << 20, misalign=5), "asyncio")
+    assert r.to_dict()["verified"]
     buf = np.fromfile(p, np.uint8)[5:1005].copy()
     assert B.holds_pattern(buf, 5)
     buf[999] ^= 1
     assert not B.holds_pattern(buf, 5)
+
+
+def test_the_package_needs_neither_the_cli_nor_torch():
+    # the library side of benchmarking: importing it pulls in no CLI and no torch
+    code = (
+        "import sys, aionvme.bench, aionvme.benchmark\n"
+        "bad = [m for m in sys.modules if m.startswith(('aionvme.cli', 'torch'))]\n"
+        "assert not bad, bad\n"
+        "assert aionvme.benchmark.seqread is aionvme.bench.seqread\n"
+    )
+    env = dict(os.environ, PYTHONPATH=SRC)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr

@@ -15,7 +15,7 @@ __all__ = ["main"]
 _COMMANDS = {
     "demo": "write tensors to a temp file, read them back, verify, print GB/s",
     "info": "what this machine offers: kernel AIO, O_DIRECT alignment, cuFile, limits",
-    "bench": "measure reads and writes (seq/rand/manyfiles) against a device",
+    "bench": "run benchmark workloads by name (seq/rand reads and writes, many files, formats, GPU)",
     "tune": "sweep block size, queue depth and submit modes; write a config",
 }
 

@@ -1,83 +1,84 @@
-"""Shared pieces of the subcommands: where to put scratch files, loops, output."""
+"""What the subcommands share besides the bench package: a progress display."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import os
-import shutil
-import tempfile
-from collections.abc import Coroutine, Iterator
-from typing import Any, TypeVar
+import sys
+from typing import Any
 
-T = TypeVar("T")
+from aionvme.bench.render import fit, human_bytes, terminal_width
 
-_MEMORY_FS = {0x01021994, 0x858458F6}
+__all__ = ["Progress", "fit", "human_bytes", "terminal_width"]
 
 
-def local_scratch_dir(preferred: str | None = None) -> str:
-    """A directory on a real disk: $TMPDIR unless it is tmpfs/ramfs, else cwd."""
-    from aionvme._engine import fs_type
+class Progress:
+    """Progress of staged runs on stderr: rich or tqdm bars when installed,
+    else one line per finished run. ``quiet``: nothing at all."""
 
-    for cand in ([preferred] if preferred else []) + [tempfile.gettempdir(), os.getcwd()]:
-        if cand is None:
-            continue
+    def __init__(self, quiet: bool = False) -> None:
+        self.quiet = quiet
+        self._rich: Any = None
+        self._tqdm: Any = None
+        self._bar: Any = None
+        self._task: Any = None
+        self._n = self._total = 0
+        if quiet:
+            return
         try:
-            fd = os.open(cand, os.O_RDONLY | os.O_DIRECTORY)
-        except OSError:
-            continue
-        try:
-            if preferred or fs_type(fd) not in _MEMORY_FS:
-                return cand
-        finally:
-            os.close(fd)
-    return os.getcwd()
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-
-@contextlib.contextmanager
-def scratch_dir(parent: str | None = None, keep: bool = False) -> Iterator[str]:
-    d = tempfile.mkdtemp(prefix="aionvme-", dir=local_scratch_dir(parent))
-    try:
-        yield d
-    finally:
-        if not keep:
-            shutil.rmtree(d, ignore_errors=True)  # ours: made above, with whatever ran in it
-
-
-def resolve_loop(loop: str) -> str:
-    """The loop that run_loop will use for ``loop``: uvloop only where installed."""
-    if loop == "uvloop":
-        try:
-            import uvloop  # noqa: F401
+            self._rich = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(bar_width=20),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[last]}"),
+                console=Console(stderr=True),
+                transient=True,
+            )
         except ImportError:
-            return "asyncio"
-    return loop
+            try:
+                from tqdm import tqdm
 
+                self._tqdm = tqdm
+            except ImportError:
+                pass
 
-def run_loop(coro: Coroutine[Any, Any, T], loop: str = "uvloop") -> T:
-    """Run coro on uvloop (when installed and asked for) or asyncio's loop.
-    Callers that print the loop's name resolve it first (:func:`resolve_loop`)."""
-    if resolve_loop(loop) == "uvloop":
-        import uvloop
+    def __enter__(self) -> Progress:
+        if self._rich is not None:
+            self._rich.start()
+        return self
 
-        return uvloop.run(coro)  # type: ignore[no-any-return]
-    return asyncio.run(coro)
+    def __exit__(self, *exc: object) -> None:
+        if self._rich is not None:
+            self._rich.stop()
+        if self._bar is not None:
+            self._bar.close()
 
+    def stage(self, title: str, total: int, announce: bool = True) -> None:
+        """A new stage of ``total`` runs (``announce``: its title printed to stdout too)."""
+        self._n, self._total = 0, total
+        if announce and not self.quiet:
+            print(fit(title, terminal_width()), flush=True)
+        if self._rich is not None:
+            self._task = self._rich.add_task("", total=total, last="")
+        elif self._tqdm is not None:
+            if self._bar is not None:
+                self._bar.close()
+            self._bar = self._tqdm(total=total, leave=False, file=sys.stderr)
 
-def drop_caches() -> str | None:
-    """Drop the page cache (root only). Returns None, or why it could not."""
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return None
-    except OSError as e:
-        return f"cannot drop the page cache ({e.strerror}); O_DIRECT reads bypass it anyway"
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
+    def advance(self, msg: str) -> None:
+        """One run finished; ``msg`` says what it measured."""
+        self._n += 1
+        if self.quiet:
+            return
+        if self._rich is not None:
+            self._rich.update(self._task, advance=1, last=msg)
+        elif self._bar is not None:
+            self._bar.set_postfix_str(msg)
+            self._bar.update(1)
+        else:
+            print(
+                fit(f"  [{self._n}/{self._total}] {msg}", terminal_width(), "    "),
+                file=sys.stderr,
+                flush=True,
+            )

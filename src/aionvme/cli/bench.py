@@ -1,38 +1,34 @@
 """``aionvme bench``: measure reads and writes the way applications do them.
 
-Workloads: seqread, seqwrite, randread, randwrite, manyfiles (many small
-files by path), and the formats' safetensors and checkpoint. Test files are
-made in a temporary directory on a local disk unless --file/--dir say where.
-Every run verifies the data it read, reports MB/s, IOPS, CPU seconds per GiB
-and per operation, p50/p99 latency and the longest event-loop stall.
+Parses the arguments, runs the workloads of :mod:`aionvme.bench` by name and
+prints what they measured; the measuring is all in the package.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
-import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
-from ._common import drop_caches, human_bytes, resolve_loop, run_loop, scratch_dir
+from aionvme import bench as B
+from aionvme.bench import render
 
-IO_WORKLOADS = ("seqread", "seqwrite", "randread", "randwrite", "manyfiles")
-FORMAT_WORKLOADS = ("safetensors", "checkpoint")
+from ._common import Progress, fit, human_bytes, terminal_width
+
+DEFAULT = "seqread,seqwrite,randread"
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-w",
         "--workload",
-        default="seqread,seqwrite,randread",
-        help="comma-separated: " + ", ".join(IO_WORKLOADS + FORMAT_WORKLOADS) + ", or 'all' "
-        "(default: seqread,seqwrite,randread)",
+        default=DEFAULT,
+        help=f"comma-separated workload names, 'all', or package.module:function (default: {DEFAULT}); "
+        "--list shows them",
     )
+    p.add_argument("--list", action="store_true", help="list the workloads and exit")
     p.add_argument("--size", default="1G", help="file size for seq*/rand* and the formats' state dict (1G)")
     p.add_argument("--block-size", default=None, help="chunk size a request is split into (default 1M)")
     p.add_argument("--queue-depth", type=int, default=None, help="chunks in flight per engine (default 128)")
@@ -59,6 +55,14 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="seqread: shift buffers and file offsets by this many bytes (bounce path)",
+    )
+    p.add_argument(
+        "-o",
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a workload-specific setting (repeatable), e.g. -o pause=2 for the formats",
     )
     p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
     g = p.add_mutually_exclusive_group()
@@ -90,7 +94,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         "--gpu",
         action="store_true",
         help="measure NVMe->GPU and GPU->NVMe instead: cuFile (gds), the pinned bounce pipeline "
-        "(bounce) and host memory + .cuda()/.cpu() (host), each against the same file",
+        "(bounce) and host memory + copy (host), each against the same file",
     )
     p.add_argument("--gpu-ways", default="gds,bounce,host", help="with --gpu: the ways to measure")
     p.add_argument("--device", default="cuda", help="with --gpu: the CUDA device (cuda, cuda:1, ...)")
@@ -99,268 +103,59 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def _workloads(spec: str) -> list[str]:
-    names = list(IO_WORKLOADS + FORMAT_WORKLOADS) if spec == "all" else [w.strip() for w in spec.split(",")]
-    bad = [w for w in names if w not in IO_WORKLOADS + FORMAT_WORKLOADS]
-    if bad:
-        raise SystemExit(f"unknown workload(s): {', '.join(bad)}")
+    names = B.names(all_only=True) if spec == "all" else [w.strip() for w in spec.split(",") if w.strip()]
+    try:
+        for n in names:
+            B.get(n)
+    except B.UnknownWorkloadError as e:
+        raise SystemExit(f"aionvme bench: {e}") from None
     return names
 
 
-@contextlib.contextmanager
-def _progress(total: int, quiet: bool) -> Iterator[Callable[[str], None]]:
-    """advance(label) per finished run: rich or tqdm when installed, else plain lines."""
-    if quiet:
-        yield lambda label: None
-        return
-    try:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    except ImportError:
-        pass
-    else:
-        with Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            transient=True,
-            console=None,
-        ) as prog:
-            task = prog.add_task("bench", total=total)
-
-            def adv_rich(label: str) -> None:
-                prog.update(task, advance=1, description=label)
-
-            yield adv_rich
-        return
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        done = [0]
-
-        def adv_plain(label: str) -> None:
-            done[0] += 1
-            print(f"[{done[0]}/{total}] {label}", file=sys.stderr, flush=True)
-
-        yield adv_plain
-        return
-    bar = tqdm(total=total, file=sys.stderr, leave=False)
-    try:
-
-        def adv_tqdm(label: str) -> None:
-            bar.set_description(label)
-            bar.update(1)
-
-        yield adv_tqdm
-    finally:
-        bar.close()
-
-
-async def _run_one(name: str, args: argparse.Namespace, workdir: str) -> dict[str, Any]:
-    from aionvme import benchmark as B
-    from aionvme.defaults import parse_size
-
-    size = parse_size(args.size)
-    path = args.file or os.path.join(workdir, "bench.bin")
-    if name == "seqread":
-        B.make_file(path, size, overwrite=args.overwrite)
-        r = await B.seqread(path, request_size=parse_size(args.request_size), misalign=args.misalign)
-    elif name == "seqwrite":
-        # a fresh file in the scratch directory (next to --file's would risk another's data)
-        r = await B.seqwrite(
-            os.path.join(workdir, "write.bin"), size, request_size=parse_size(args.request_size)
-        )
-    elif name == "randread":
-        B.make_file(path, size, overwrite=args.overwrite)
-        r = await B.randread(
-            path, ops=args.ops, bs=parse_size(args.bs), iodepth=args.iodepth, mode=args._mode
-        )
-    elif name == "randwrite":
-        B.make_file(path, size, overwrite=args.overwrite)
-        r = await B.randwrite(path, ops=args.ops, bs=parse_size(args.bs), iodepth=args.iodepth)
-    elif name == "manyfiles":
-        d = os.path.join(workdir, "many")
-        os.makedirs(d, exist_ok=True)
-        r = await B.manyfiles(d, nfiles=args.nfiles, file_size=parse_size(args.file_size))
-    else:
-        from aionvme.formats._bench import WORKLOADS as FORMATS
-
-        figures = await FORMATS[name](workdir, size, verify=True)
-        return {"workload": name, **figures}
-    return dict(r.summary())
-
-
-def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    out = dict(rows[0])
-    for k, v in rows[0].items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            out[k] = statistics.median(r[k] for r in rows)
-    out["verified"] = all(r.get("verified", True) for r in rows)
-    out["runs"] = len(rows)
-    if "max_stall_ms" in rows[0]:
-        out["max_stall_ms"] = max(r["max_stall_ms"] for r in rows)  # the worst, not the median
+def _options(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for kv in pairs:
+        key, eq, value = kv.partition("=")
+        if not eq or not key:
+            raise SystemExit(f"aionvme bench: -o wants KEY=VALUE, got {kv!r}")
+        out[key.strip()] = value.strip()
     return out
 
 
-def _label(row: dict[str, Any]) -> str:
-    name = str(row["workload"])
-    p = row.get("params") or {}
-    if name == "randread" and p.get("mode"):
-        name += f" ({p['mode']})"
-    if name == "seqread" and p.get("misalign"):
-        name += f" (+{p['misalign']} B)"
-    return name
-
-
-def _table(rows: list[dict[str, Any]], title: str) -> str:
-    head = ["workload", "MB/s", "IOPS", "CPU s/GiB", "CPU µs/op", "p50 µs", "p99 µs", "stall ms", "ok"]
-    lines = []
-    for r in rows:
-        if "mb_s" not in r:  # a format workload: its own figures
-            figs = ", ".join(
-                f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                for k, v in r.items()
-                if k not in ("workload", "runs")
-            )
-            lines.append([r["workload"], figs])
-            continue
-        lines.append(
-            [
-                _label(r),
-                f"{r['mb_s']:.0f}",
-                f"{r['iops']:.0f}",
-                f"{r['cpu_s_per_gib']:.3f}",
-                f"{r['cpu_us_per_op']:.1f}",
-                f"{r['p50_us']:.0f}",
-                f"{r['p99_us']:.0f}",
-                f"{r['max_stall_ms']:.1f}",
-                "yes" if r["verified"] else "NO",
-            ]
-        )
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        out = [title, "  ".join(f"{h:>10}" for h in head)]
-        for ln in lines:
-            out.append("  ".join(f"{c:>10}" for c in ln))
-        return "\n".join(out)
-    table = Table(title=title)
-    for h in head:
-        table.add_column(h, justify="left" if h == "workload" else "right")
-    for ln in lines:
-        table.add_row(*(ln + [""] * (len(head) - len(ln))))
-    console = Console(record=True, width=140)
-    with console.capture() as cap:
-        console.print(table)
-    return cap.get()
-
-
-def _plot(path: str, setting: str, values: list[str], results: dict[str, list[dict[str, Any]]]) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise SystemExit("--plot needs matplotlib (pip install 'aionvme[plot]')") from e
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, rows in results.items():
-        ax.plot(values, [r.get("mb_s", 0) for r in rows], marker="o", label=name)
-    ax.set_xlabel(setting)
-    ax.set_ylabel("MB/s")
-    ax.set_title(f"aionvme bench: MB/s by {setting}")
-    ax.legend()
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-def _gpu_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from aionvme import benchmark as B
-    from aionvme import gpu
+def _context(args: argparse.Namespace, workdir: str, mode: str) -> B.Context:
     from aionvme.defaults import parse_size
 
-    size = parse_size(args.size)
-    rs = parse_size(args.request_size)
-    ways = [w.strip() for w in args.gpu_ways.split(",") if w.strip()]
-    bad = [w for w in ways if w not in B.GPU_WAYS]
-    if bad:
-        raise SystemExit(f"unknown --gpu-ways: {', '.join(bad)} (known: {', '.join(B.GPU_WAYS)})")
-    rows: list[dict[str, Any]] = []
-    status = gpu.cufile_status()
-    with scratch_dir(args.dir, keep=args.keep) as workdir:
-        path = args.file or os.path.join(workdir, "gpu.bin")
-        B.make_file(path, size, overwrite=args.overwrite)
-        for way in ways:
-            if way == "gds" and status["mode"] is None:
-                for name in ("gpu-read", "gpu-write"):
-                    rows.append(dict(workload=name, way=way, unavailable=status["reason"]))
-                continue
-            label = f"gds ({status['mode']})" if way == "gds" else way
-            for repeat in range(args.repeat):
-                if os.geteuid() == 0:
-                    drop_caches()
-                r = run_loop(B.gpu_read(path, way=way, request_size=rs, device=args.device), args.loop)
-                w = run_loop(
-                    B.gpu_write(
-                        os.path.join(workdir, "gpu-w.bin"), size, way=way, request_size=rs, device=args.device
-                    ),
-                    args.loop,
-                )
-                for res in (r, w):
-                    row = dict(res.summary())
-                    row.update(way=label, repeat=repeat, gb_s=round(res.nbytes / res.wall_s / 1e9, 3))
-                    rows.append(row)
-    return rows
+    return B.Context(
+        workdir=workdir,
+        size=parse_size(args.size),
+        file=args.file,
+        overwrite=args.overwrite,
+        request_size=parse_size(args.request_size),
+        bs=parse_size(args.bs),
+        iodepth=args.iodepth,
+        ops=args.ops,
+        mode=mode,
+        nfiles=args.nfiles,
+        file_size=parse_size(args.file_size),
+        misalign=args.misalign,
+        options=_options(args.option),
+    )
 
 
-def _gpu_table(rows: list[dict[str, Any]]) -> str:
-    host = {r["workload"]: r["gb_s"] for r in rows if r.get("way") == "host" and "gb_s" in r}
-    out = [f"{'direction':<10} {'way':<14} {'GB/s':>8} {'vs host':>8} {'path used':<10} ok"]
-    for r in rows:
-        direction = "NVMe->GPU" if r["workload"] == "gpu-read" else "GPU->NVMe"
-        if "unavailable" in r:
-            out.append(f"{direction:<10} {r['way']:<14} {'-':>8} {'-':>8} unavailable: {r['unavailable']}")
-            continue
-        base = host.get(r["workload"])
-        ratio = f"{r['gb_s'] / base:.2f}x" if base else "-"
-        used = (r.get("params") or {}).get("used", "")
-        out.append(
-            f"{direction:<10} {r['way']:<14} {r['gb_s']:>8.2f} {ratio:>8} {used:<10} "
-            + ("yes" if r["verified"] else "NO")
-        )
-    return "\n".join(out)
-
-
-def _run_gpu(args: argparse.Namespace) -> int:
-    try:
-        import torch
-    except ImportError:
-        print("aionvme bench: --gpu needs a CUDA device: torch is not installed", file=sys.stderr)
-        return 2
-    if not torch.cuda.is_available():
-        print(
-            "aionvme bench: --gpu needs a CUDA device: torch.cuda.is_available() is False "
-            f"(torch {torch.__version__}; a CPU-only build or no visible GPU)",
-            file=sys.stderr,
-        )
-        return 2
-    rows = _gpu_rows(args)
-    if args.json:
-        from aionvme import gpu
-
-        print(
-            json.dumps(dict(device=torch.cuda.get_device_name(args.device), cufile=gpu.stats(), results=rows))
-        )
-    else:
-        print(f"aionvme bench --gpu on {torch.cuda.get_device_name(args.device)}, {args.size} per transfer")
-        print(_gpu_table(rows))
-    return 0 if all(r.get("verified", True) for r in rows) else 1
+def _list() -> int:
+    names = B.names()
+    w = max(len(n) for n in names) + 2
+    for n in names:
+        e = B.get(n)
+        text = ("" if e.in_all else "(not in 'all') ") + e.help
+        print(fit(f"{n:<{w}}{text}", terminal_width(), " " * w))
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
-    args.loop = resolve_loop(args.loop)
+    args.loop = B.resolve_loop(args.loop)
+    if args.list:
+        return _list()
     try:
         return _run_gpu(args) if args.gpu else _run(args)
     except FileExistsError as e:
@@ -385,39 +180,41 @@ def _run(args: argparse.Namespace) -> int:
         sweep_name, _, vals = args.sweep.partition("=")
         sweep_values = [v for v in vals.split(",") if v]
         if not sweep_values:
-            raise SystemExit("--sweep needs NAME=V1,V2,...")
+            raise SystemExit("aionvme bench: --sweep needs NAME=V1,V2,...")
     if args.plot and not args.sweep:
-        raise SystemExit("--plot needs --sweep")
+        raise SystemExit("aionvme bench: --plot needs --sweep")
 
     plan: list[tuple[Any, str, str]] = []
     for sv in sweep_values:
         for name in names:
-            modes = ["gather", "batch"] if (name == "randread" and args.mode == "both") else [args.mode]
-            for m in modes:
+            modes = B.get(name).modes
+            if modes:
+                modes = modes if args.mode == "both" else (args.mode,)
+            for m in modes or ("gather",):
                 plan.extend((sv, name, m) for _ in range(args.repeat))
     note: str | None = "not root: the page cache was not dropped (O_DIRECT bypasses it)"
 
-    results: dict[tuple[Any, str, str], list[dict[str, Any]]] = {}
+    runs: dict[tuple[Any, str, str], list[B.Result]] = {}
     t0 = time.perf_counter()
-    with scratch_dir(args.dir, keep=args.keep) as workdir, _progress(len(plan), args.json) as advance:
+    with B.scratch_dir(args.dir, keep=args.keep) as workdir, Progress(quiet=args.json) as progress:
+        progress.stage("", len(plan), announce=False)
         for sv, name, m in plan:
             s = dict(settings)
             if sweep_name:
                 s[sweep_name] = sv
-            args._mode = m
             with defaults.set(**s):
                 if os.geteuid() == 0:
-                    note = drop_caches()
-                row = run_loop(_run_one(name, args, workdir), args.loop)
-            results.setdefault((sv, name, m), []).append(row)
-            advance(f"{name}{'' if sv is None else f' {sweep_name}={sv}'}")
-    rows = [_median_row(v) for v in results.values()]
-    for (sv, _, _), row in zip(results, rows):
-        if sweep_name:
-            row["sweep"] = {sweep_name: sv}
+                    note = B.drop_caches()
+                r = B.run_loop(B.run(name, _context(args, workdir, m)), args.loop)
+            if sweep_name:
+                r.params["sweep"] = {sweep_name: sv}
+            runs.setdefault((sv, name, m), []).append(r)
+            progress.advance(f"{r.label}{'' if sv is None else f' {sweep_name}={sv}'}")
+    results = [B.median_result(v) for v in runs.values()]
     if args.json:
-        print(json.dumps(dict(settings=defaults.get(), loop=args.loop, note=note, results=rows), indent=2))
+        print(render.to_json(results, settings=defaults.get(), loop=args.loop, note=note))
     else:
+        width = terminal_width()
         where = args.file or args.dir or "a temporary directory"
         title = (
             f"aionvme bench on {where}, loop={args.loop}, {args.repeat} run(s) each "
@@ -425,19 +222,92 @@ def _run(args: argparse.Namespace) -> int:
         )
         if sweep_name:
             for sv in sweep_values:
-                sub = [r for r in rows if r.get("sweep", {}).get(sweep_name) == sv]
-                print(_table(sub, f"{title}; {sweep_name}={sv}"))
+                sub = [r for r in results if r.params.get("sweep", {}).get(sweep_name) == sv]
+                print(render.results_table(sub, f"{title}; {sweep_name}={sv}", width))
         else:
-            print(_table(rows, title))
+            print(render.results_table(results, title, width))
         if note:
-            print(f"note: {note}")
-        if any(not r.get("verified", True) for r in rows):
+            print(fit(f"note: {note}", width, "  "))
+        if any(not r.verified for r in results):
             print("DATA MISMATCH: a run read back wrong bytes", file=sys.stderr)
     if args.plot and sweep_name:
-        by_name: dict[str, list[dict[str, Any]]] = {}
-        for r in rows:
-            by_name.setdefault(_label(r), []).append(r)
-        _plot(args.plot, sweep_name, sweep_values, by_name)
+        series: dict[str, list[float]] = {}
+        for r in results:
+            series.setdefault(r.label, []).append(r.mb_s)
+        problem = render.plot(
+            args.plot,
+            sweep_values,
+            series,
+            title=f"aionvme bench: MB/s by {sweep_name}",
+            xlabel=sweep_name,
+            ylabel="MB/s",
+        )
+        if problem:
+            raise SystemExit(f"aionvme bench: --plot: {problem}")
         if not args.json:
-            print(f"plot: {args.plot} ({human_bytes(os.path.getsize(args.plot))})")
-    return 0 if all(r.get("verified", True) for r in rows) else 1
+            print(
+                fit(f"plot: {args.plot} ({human_bytes(os.path.getsize(args.plot))})", terminal_width(), "  ")
+            )
+    return 0 if all(r.verified for r in results) else 1
+
+
+def _gpu_results(args: argparse.Namespace) -> list[B.Result]:
+    from aionvme import gpu
+    from aionvme.defaults import parse_size
+
+    size = parse_size(args.size)
+    rs = parse_size(args.request_size)
+    ways = [w.strip() for w in args.gpu_ways.split(",") if w.strip()]
+    bad = [w for w in ways if w not in B.GPU_WAYS]
+    if bad:
+        raise SystemExit(
+            f"aionvme bench: unknown --gpu-ways: {', '.join(bad)} (known: {', '.join(B.GPU_WAYS)})"
+        )
+    out: list[B.Result] = []
+    status = gpu.cufile_status()
+    with B.scratch_dir(args.dir, keep=args.keep) as workdir:
+        path = args.file or os.path.join(workdir, "gpu.bin")
+        B.make_file(path, size, overwrite=args.overwrite)
+        wpath = os.path.join(workdir, "gpu-w.bin")
+        for way in ways:
+            if way == "gds" and status["mode"] is None:
+                out += [
+                    B.Result.skip(name, str(status["reason"]), way=way) for name in ("gpu-read", "gpu-write")
+                ]
+                continue
+            label = f"gds ({status['mode']})" if way == "gds" else way
+            reads, writes = [], []
+            for _ in range(args.repeat):
+                if os.geteuid() == 0:
+                    B.drop_caches()
+                reads.append(
+                    B.run_loop(B.gpu_read(path, way=way, request_size=rs, device=args.device), args.loop)
+                )
+                writes.append(
+                    B.run_loop(
+                        B.gpu_write(wpath, size, way=way, request_size=rs, device=args.device), args.loop
+                    )
+                )
+            for r in (B.median_result(reads), B.median_result(writes)):
+                r.params["label"] = label
+                out.append(r)
+    return out
+
+
+def _run_gpu(args: argparse.Namespace) -> int:
+    why = B.cuda_unavailable()
+    if why:
+        print(f"aionvme bench: --gpu needs a CUDA device: {why}", file=sys.stderr)
+        return 2
+    import torch
+
+    from aionvme import gpu
+
+    results = _gpu_results(args)
+    device = torch.cuda.get_device_name(args.device)
+    if args.json:
+        print(render.to_json(results, device=device, cufile=gpu.stats()))
+    else:
+        title = f"aionvme bench --gpu on {device}, {args.size} per transfer, {args.repeat} run(s) (medians)"
+        print(render.gpu_table(results, title, terminal_width()))
+    return 0 if all(r.verified for r in results) else 1

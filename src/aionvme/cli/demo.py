@@ -9,10 +9,13 @@ import asyncio
 import hashlib
 import os
 import time
+from typing import Any
 
 import numpy as np
 
-from ._common import human_bytes, resolve_loop, run_loop, scratch_dir
+from aionvme.bench import resolve_loop, run_loop, scratch_dir
+
+from ._common import human_bytes
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -21,6 +24,14 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", default=None, help="where to put the temp file (default: a local disk)")
     p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
     p.add_argument("--torch", action="store_true", help="use torch tensors instead of numpy arrays")
+
+
+def _how(info: Any) -> str:
+    """How the file was opened, in words: the filesystem, O_DIRECT or
+    buffered, and why it is buffered when it is."""
+    if info.direct:
+        return f"{info.fs_name}, O_DIRECT (the page cache is bypassed)"
+    return f"{info.fs_name}, buffered I/O: {info.reason}"
 
 
 async def _demo(args: argparse.Namespace, path: str) -> int:
@@ -58,7 +69,8 @@ async def _demo(args: argparse.Namespace, path: str) -> int:
         if hashlib.blake2b(memoryview(t.numpy() if like == "torch" else t)).digest() != digests[i]
     ]
     moved = n * each
-    print(f"file     {path} ({info.fs_name}, {'O_DIRECT' if info.direct else 'buffered'}: {info.reason})")
+    print(f"file     {path}")
+    print(f"I/O      {_how(info)}")
     print(f"tensors  {n} x {human_bytes(each)} = {human_bytes(moved)} ({like}, loop={args.loop})")
     print(f"write    {moved / t_write / 1e9:6.2f} GB/s  ({t_write:.3f} s, fsync included)")
     print(f"read     {moved / t_read / 1e9:6.2f} GB/s  ({t_read:.3f} s)")

@@ -9,7 +9,7 @@ import json
 import os
 from typing import Any
 
-from ._common import human_bytes
+from aionvme.bench.render import human_bytes
 
 OK, WARN, NOTE = "ok", "warn", "-"
 

@@ -1,0 +1,355 @@
+"""I/O workloads: each makes (or reuses) its files, runs on the running
+event loop, verifies what it read and returns a :class:`~aionvme.bench.Result`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from .. import defaults, empty, gpu, stats
+from .. import open as nvme_open
+from .. import pread as nvme_pread
+from .pattern import SEED, check_pattern, fill_pattern, holds_pattern, make_file, touched_buffers
+from .result import Result
+from .timer import Timer
+
+__all__ = ["GPU_WAYS", "gpu_read", "gpu_write", "manyfiles", "randread", "randwrite", "seqread", "seqwrite"]
+
+
+def _runtime_ready() -> None:
+    """Make the running loop's runtime (engine, eventfd) before the clock starts."""
+    stats()
+
+
+async def seqread(
+    path: str,
+    *,
+    request_size: int = 64 << 20,
+    block_size: int | None = None,
+    parallelism: int | None = None,
+    misalign: int = 0,
+    buffers: list[np.ndarray] | None = None,
+) -> Result:
+    """Read the whole file with requests of ``request_size``, all in flight at
+    once (like loading the tensors of a checkpoint), into pre-touched aligned
+    buffers, or buffers and file offsets both shifted by ``misalign`` bytes
+    (the bounce path). Latency: each request's completion since the start."""
+    size = os.path.getsize(path) - misalign
+    size -= size % 8
+    n = -(-size // request_size)
+    if buffers is None:
+        buffers = touched_buffers(size, request_size, misalign)
+    _runtime_ready()
+    with nvme_open(path, block_size=block_size, parallelism=parallelism) as f:
+        reqs = [(buffers[i], misalign + i * request_size) for i in range(n)]
+        lat: list[float] = []
+        with Timer() as t:
+            t0 = time.perf_counter()
+
+            async def one(b: np.ndarray, off: int) -> None:
+                await f.pread(b, off)
+                lat.append(time.perf_counter() - t0)
+
+            await asyncio.gather(*(one(b, o) for b, o in reqs))
+        direct = f.info.direct
+    ok = all(holds_pattern(b, o) for b, o in reqs)
+    return t.result(
+        "seqread",
+        size,
+        n,
+        ok,
+        latencies_s=lat,
+        params=dict(
+            request_size=request_size,
+            block_size=block_size or defaults.settings.block_size,
+            parallelism=parallelism,
+            misalign=misalign,
+            direct=direct,
+        ),
+    )
+
+
+async def seqwrite(
+    path: str,
+    size: int,
+    *,
+    request_size: int = 64 << 20,
+    block_size: int | None = None,
+    parallelism: int | None = None,
+    fsync: bool = True,
+) -> Result:
+    """Write a fresh file of ``size`` bytes (requests of ``request_size``, all
+    in flight), then fsync; the time includes the fsync. Latency: each
+    request's completion since the start (before the fsync)."""
+    size -= size % 8
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    src = touched_buffers(size, request_size)
+    for i, b in enumerate(src):
+        fill_pattern(b, i * request_size)
+    _runtime_ready()
+    lat: list[float] = []
+    with nvme_open(path, "w", block_size=block_size, parallelism=parallelism) as f, Timer() as t:
+        t0 = time.perf_counter()
+
+        async def one(b: np.ndarray, off: int) -> None:
+            await f.pwrite(b, off)
+            lat.append(time.perf_counter() - t0)
+
+        await asyncio.gather(*(one(b, i * request_size) for i, b in enumerate(src)))
+        if fsync:
+            await f.fsync()
+    ok = os.path.getsize(path) == size
+    if ok:
+        check = empty(min(size, 1 << 20))
+        with nvme_open(path) as f:
+            for off in (0, size - len(check)):
+                f.sync_pread(check, off)
+                ok = ok and check_pattern(check, off)
+    return t.result(
+        "seqwrite",
+        size,
+        len(src),
+        ok,
+        latencies_s=lat,
+        params=dict(
+            request_size=request_size,
+            block_size=block_size or defaults.settings.block_size,
+            parallelism=parallelism,
+            fsync=fsync,
+        ),
+    )
+
+
+def random_offsets(n: int, file_size: int, bs: int, seed: int = 1) -> np.ndarray:
+    """``n`` random multiples of ``bs`` below ``file_size`` (the same for the same seed)."""
+    blocks = file_size // bs
+    return np.random.default_rng(seed).integers(0, blocks, size=n, dtype=np.int64) * bs
+
+
+async def randread(
+    path: str,
+    *,
+    ops: int = 100_000,
+    bs: int = 4096,
+    iodepth: int = 64,
+    mode: str = "gather",
+    batch: int = 256,
+) -> Result:
+    """Random aligned reads of ``bs`` bytes, ``iodepth`` in flight.
+
+    mode='gather': ``iodepth`` coroutines, each awaiting one pread after
+    another (what an asyncio application does). mode='batch': a few
+    coroutines, each awaiting pread_many of ``batch`` reads (one future per
+    batch), the file opened with parallelism iodepth / coroutines, so that at
+    most ``iodepth`` reads are in flight and each batch's window slides as
+    reads complete (a read's latency is its whole batch's).
+    """
+    if mode not in ("gather", "batch"):
+        raise ValueError(f"mode must be 'gather' or 'batch', got {mode!r}")
+    size = os.path.getsize(path)
+    offs = random_offsets(ops, size, bs).tolist()
+    nworkers = max(1, min(4, iodepth))
+    bufs = empty((iodepth, bs)) if mode == "gather" else empty((nworkers * batch, bs))
+    bufs[:, ::4096] = 1
+    lat = np.zeros(ops)
+    last: dict[int, int] = {}
+    _runtime_ready()
+    parallelism = None if mode == "gather" else max(1, iodepth // nworkers)
+    with nvme_open(path, parallelism=parallelism) as f, Timer() as t:
+        if mode == "gather":
+
+            async def worker(k: int) -> None:
+                b = bufs[k]
+                clock = time.perf_counter
+                for i in range(k, ops, iodepth):
+                    t1 = clock()
+                    await f.pread(b, offs[i])
+                    lat[i] = clock() - t1
+                last[k] = i
+
+            await asyncio.gather(*(worker(k) for k in range(min(iodepth, ops))))
+        else:
+
+            async def bworker(k: int) -> None:
+                clock = time.perf_counter
+                mine = bufs[k * batch : (k + 1) * batch]
+                for i in range(k * batch, ops, nworkers * batch):
+                    j = min(batch, ops - i)
+                    t1 = clock()
+                    await f.pread_many([(mine[x], offs[i + x]) for x in range(j)])
+                    lat[i : i + j] = clock() - t1
+                    for x in range(j):
+                        last[k * batch + x] = i + x
+
+            await asyncio.gather(*(bworker(k) for k in range(nworkers)))
+    ok = all(check_pattern(bufs[slot], offs[i]) for slot, i in last.items())
+    return t.result(
+        "randread",
+        ops * bs,
+        ops,
+        ok,
+        latencies_s=lat.tolist(),
+        params=dict(bs=bs, iodepth=iodepth, mode=mode, batch=batch if mode == "batch" else None),
+    )
+
+
+async def randwrite(path: str, *, ops: int = 50_000, bs: int = 4096, iodepth: int = 64) -> Result:
+    """Random aligned writes of ``bs`` bytes into an existing file, ``iodepth``
+    coroutines in flight; each writes the pattern of its offset."""
+    size = os.path.getsize(path)
+    offs = random_offsets(ops, size, bs, seed=2).tolist()
+    bufs = empty((iodepth, bs))
+    lat = np.zeros(ops)
+    _runtime_ready()
+    with nvme_open(path, "r+") as f, Timer() as t:
+
+        async def worker(k: int) -> None:
+            b = bufs[k]
+            clock = time.perf_counter
+            for i in range(k, ops, iodepth):
+                fill_pattern(b, offs[i])
+                t1 = clock()
+                await f.pwrite(b, offs[i])
+                lat[i] = clock() - t1
+
+        await asyncio.gather(*(worker(k) for k in range(min(iodepth, ops))))
+    check = empty(bs)
+    ok = True
+    with nvme_open(path) as f:
+        for o in offs[:: max(1, ops // 200)]:
+            f.sync_pread(check, o)
+            ok = ok and check_pattern(check, o)
+    return t.result(
+        "randwrite", ops * bs, ops, ok, latencies_s=lat.tolist(), params=dict(bs=bs, iodepth=iodepth)
+    )
+
+
+async def manyfiles(directory: str, *, nfiles: int = 1000, file_size: int = 1 << 20) -> Result:
+    """Read ``nfiles`` separate files by path (open, read, close each) with one gather."""
+    paths = [os.path.join(directory, f"t{i:05d}.bin") for i in range(nfiles)]
+    for p in paths:
+        make_file(p, file_size)
+    bufs = touched_buffers(nfiles * file_size, file_size)
+    lat: list[float] = []
+    _runtime_ready()
+    with Timer() as t:
+        t0 = time.perf_counter()
+
+        async def one(b: np.ndarray, p: str) -> None:
+            await nvme_pread(b, p)
+            lat.append(time.perf_counter() - t0)
+
+        await asyncio.gather(*(one(b, p) for b, p in zip(bufs, paths)))
+    ok = all(check_pattern(b, 0) for b in bufs)
+    return t.result(
+        "manyfiles",
+        nfiles * file_size,
+        nfiles,
+        ok,
+        latencies_s=lat,
+        params=dict(nfiles=nfiles, file_size=file_size),
+    )
+
+
+# -- GPU ------------------------------------------------------------------------------------------
+
+GPU_WAYS = ("gds", "bounce", "host")
+
+
+def _gpu_pattern(torch: Any, n: int, offset: int, device: Any) -> Any:
+    """The file pattern of bytes [offset, offset + n) as int64 words on the GPU."""
+    words = torch.arange(0, n, 8, dtype=torch.int64, device=device) + offset
+    return torch.bitwise_xor(words, torch.tensor(SEED, dtype=torch.int64, device=device))
+
+
+def _way_used(before: dict[str, Any], after: dict[str, Any]) -> str:
+    gds = after["gds_requests"] - before["gds_requests"]
+    bounce = after["bounce_requests"] - before["bounce_requests"]
+    return "gds" if gds and not bounce else "bounce" if bounce and not gds else f"gds {gds}, bounce {bounce}"
+
+
+def _check_way(way: str) -> None:
+    if way not in GPU_WAYS:
+        raise ValueError(f"way must be one of {', '.join(GPU_WAYS)}, got {way!r}")
+
+
+async def gpu_read(path: str, *, way: str, request_size: int = 256 << 20, device: str = "cuda") -> Result:
+    """Read the whole file into one CUDA tensor. ``way``: 'gds' or 'bounce'
+    (aionvme's GPU paths, forced with ``gpu_path``), or 'host' (what code
+    without them does: pread into page-aligned host memory, then ``.copy_``)."""
+    import torch
+
+    _check_way(way)
+    size = os.path.getsize(path)
+    size -= size % 8
+    dev = torch.device(device)
+    dst = torch.empty(size, dtype=torch.uint8, device=dev)
+    host = empty(size) if way == "host" else None
+    if host is not None:
+        host[::4096] = 1  # faulted in before the clock starts, like fio's buffers
+    offs = list(range(0, size, request_size))
+    _runtime_ready()
+    before = gpu.stats()
+    with defaults.set(gpu_path=way if way != "host" else "auto"), nvme_open(path) as f, Timer() as t:
+        if host is None:
+            await asyncio.gather(*(f.pread(dst[o : o + request_size], o) for o in offs))
+        else:
+            await asyncio.gather(*(f.pread(host[o : o + request_size], o) for o in offs))
+            dst.copy_(torch.from_numpy(host))
+        torch.cuda.synchronize(dev)
+    ok = bool(torch.equal(dst.view(torch.int64), _gpu_pattern(torch, size, 0, dev)))
+    used = "host" if host is not None else _way_used(before, gpu.stats())
+    return t.result(
+        "gpu-read",
+        size,
+        len(offs),
+        ok,
+        params=dict(way=way, used=used, request_size=request_size, device=device),
+    )
+
+
+async def gpu_write(
+    path: str, size: int, *, way: str, request_size: int = 256 << 20, device: str = "cuda"
+) -> Result:
+    """Write a CUDA tensor to a fresh file, then fsync (the time includes it).
+    ``way`` as for :func:`gpu_read` ('host': ``.cpu()``, then pwrite)."""
+    import torch
+
+    _check_way(way)
+    size -= size % 8
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    dev = torch.device(device)
+    src = _gpu_pattern(torch, size, 0, dev).view(torch.uint8)
+    torch.cuda.synchronize(dev)
+    offs = list(range(0, size, request_size))
+    _runtime_ready()
+    before = gpu.stats()
+    with defaults.set(gpu_path=way if way != "host" else "auto"), nvme_open(path, "w") as f, Timer() as t:
+        if way == "host":
+            host = src.cpu().numpy()
+            await asyncio.gather(*(f.pwrite(host[o : o + request_size], o) for o in offs))
+        else:
+            await asyncio.gather(*(f.pwrite(src[o : o + request_size], o) for o in offs))
+        await f.fsync()
+    ok = os.path.getsize(path) == size
+    if ok:
+        check = empty(min(size, 1 << 20))
+        with nvme_open(path) as f:
+            for off in (0, size // 2 - size // 2 % 8, size - len(check)):
+                f.sync_pread(check, off)
+                ok = ok and check_pattern(check, off)
+    used = "host" if way == "host" else _way_used(before, gpu.stats())
+    return t.result(
+        "gpu-write",
+        size,
+        len(offs),
+        ok,
+        params=dict(way=way, used=used, request_size=request_size, device=device),
+    )
