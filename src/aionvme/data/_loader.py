@@ -405,6 +405,8 @@ class Loader:
         self.tensors = tensors
         self.rank, self.world_size = resolve_rank(rank, world_size)
         check_tensors(tensors, self.layout)
+        if tensors == "torch":
+            import torch  # noqa: F401 - here, not on the loop thread at the first batch (seconds)
         if self.device != "cpu":
             if tensors != "torch":
                 raise ValueError("a CUDA device needs tensors='torch'")
