@@ -136,13 +136,11 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_aionvme(
-    path: str, n: int, batch: int, prefetch: str, mode: str, tensors: str = "torch"
+    path: str, n: int, batch: int, prefetch: str, mode: str, verify: bool = False
 ) -> dict[str, Any]:
     chk = Check(n)
     drop_caches()
-    loader = nvme.data.Loader(
-        path, batch_size=batch, shuffle=True, seed=0, prefetch=prefetch, tensors=tensors
-    )
+    loader = nvme.data.Loader(path, batch_size=batch, shuffle=True, seed=0, prefetch=prefetch, verify=verify)
     c0, t0 = cpu_s(), time.perf_counter()
     stall: list[float] = []
     if mode == "async":
@@ -385,6 +383,13 @@ def run_all(root: str, big: int, small: int, args: argparse.Namespace) -> list[d
     add("4k", "fio randread bs=4k QD 64", med["fio4"], ref4, "samples_s")
     add("4k", "aionvme Loader async (batch 1024)", med["async4"], ref4, "samples_s")
     add("4k", "aionvme Loader sync (batch 1024)", med["sync4"], ref4, "samples_s")
+    # the price of checking every sample's crc32 (Loader(verify=True)), once
+    add(
+        "128k",
+        "aionvme Loader sync for, verify=True",
+        run_aionvme(d128, n, 64, args.prefetch, "sync", verify=True),
+        ref,
+    )
 
     # memory: a fresh process, dataset = 4x the budget
     budget = max(big // 4, 1 << 20)

@@ -601,3 +601,24 @@ def test_import_aionvme_does_not_import_torch():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.stdout.strip() == "False", r.stderr
+
+
+def test_file_modified_between_epochs(ds_dir):
+    path, _ = ds_dir
+    loader = Loader(path, batch_size=100)
+    assert len(list(loader)) == 3
+    shard = path / "shard-00000.bin"
+    os.utime(shard, ns=(0, 10**18))  # touched: a pass must not trust it any more
+    with pytest.raises(DatasetChangedError, match="modified") as e:
+        list(loader)
+    assert e.value.filename == str(shard)
+    loader.close()
+
+
+def test_pin_memory_without_cuda_is_refused_at_once(ds_dir):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(nvme.DeviceError):
+        Loader(ds_dir[0], batch_size=8, pin_memory=True)
+    with pytest.raises(nvme.DeviceError):
+        Loader(ds_dir[0], batch_size=8, device="cuda")

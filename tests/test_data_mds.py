@@ -9,8 +9,8 @@ import os
 import numpy as np
 import pytest
 import torch
-from _mds_stub import import_streaming
 
+from _mds_stub import import_streaming
 from aionvme.data import CorruptDatasetError, Dataset, Loader, UnsupportedDatasetError
 
 

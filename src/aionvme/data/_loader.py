@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..defaults import parse_size
+from ..exceptions import DeviceError
 from ..memory import empty
 from ._batch import BatchPlan
 from ._dataset import Dataset, check_tensors
@@ -153,7 +154,8 @@ class _Run:
         self.t0 = time.perf_counter()
         if ld._stats.started is None:
             ld._stats.started = self.t0
-        part = await asyncio.to_thread(ld._part, self.epoch)  # a permutation of 10M ids: off the loop
+        # off the loop: a permutation of 10M ids, a stat of every file (changed since the open?)
+        part = await asyncio.to_thread(ld._prepare, self.epoch)
         self.ready = asyncio.Queue()
         self.producer = asyncio.get_running_loop().create_task(self._produce(part))
 
@@ -185,8 +187,11 @@ class _Run:
             await asyncio.get_running_loop().run_in_executor(ld._executor(), plan.verify, ld.layout, slab.buf)
         return plan
 
-    async def next(self) -> dict[str, Any] | None:
-        """The next batch, or None at the end of the epoch."""
+    async def next(self) -> tuple[BatchPlan, _Slab] | None:
+        """The next batch's plan and memory (read and checked), or None at the end of the epoch.
+
+        Asking for a batch frees the batches handed out before the last
+        ``keep`` (``copy=True``: all of them, they were copied)."""
         ld = self.loader
         if self.closed:
             return None
@@ -195,7 +200,8 @@ class _Run:
         ready = self.ready
         if ready is None:  # pragma: no cover
             return None
-        while len(self.held) > ld.keep:  # the consumer asked again: older batches are free
+        keep = 0 if ld.copy else ld.keep
+        while len(self.held) > keep:
             ld._pool.put(self.held.popleft())
         t = time.perf_counter()
         item = await ready.get()
@@ -216,19 +222,14 @@ class _Run:
         finally:
             self.inflight = [x for x in self.inflight if x[0] is not task]
         ld._stats.consumer_wait += time.perf_counter() - t
-        batch = plan.assemble(ld.layout, slab.buf, ld.tensors)
-        if ld.copy:
-            batch = await asyncio.to_thread(_clone, batch)
-            ld._pool.put(slab)
-        else:
-            self.held.append(slab)
+        self.held.append(slab)
         if ld._generation == self.gen:
             ld._position = pos
         st = ld._stats
         st.batches += 1
         st.samples += len(plan.idx)
         st.bytes += plan.data_nbytes
-        return batch
+        return plan, slab
 
     async def aclose(self) -> None:
         """Stop: no new reads; wait for those in flight (their memory stays
@@ -361,6 +362,13 @@ class Loader:
     its beginning (the current epoch: no change, so resuming and then calling
     ``set_epoch`` as torch code does keeps the position).
 
+    **Changed files.** Every file's size, mtime and inode recorded when the
+    dataset was opened are checked again at the start of each pass and when
+    a read fails or a checksum differs: a change raises
+    :class:`DatasetChangedError` naming the file (and the sample). A file
+    replaced (renamed over) while it is open keeps being read from the inode
+    that was opened, which still matches the index, until the next pass.
+
     **I/O.** Each batch is one ``File.pread_many`` per file it touches,
     samples sorted by offset. Fields whose size is a multiple of 4096 land in
     page-aligned rows (O_DIRECT straight into the tensor); other sizes go
@@ -406,7 +414,7 @@ class Loader:
         self.rank, self.world_size = resolve_rank(rank, world_size)
         check_tensors(tensors, self.layout)
         if tensors == "torch":
-            import torch  # noqa: F401 - here, not on the loop thread at the first batch (seconds)
+            import torch  # here, not on the loop thread at the first batch (seconds)
         if self.device != "cpu":
             if tensors != "torch":
                 raise ValueError("a CUDA device needs tensors='torch'")
@@ -417,6 +425,11 @@ class Loader:
                 )
             if verify:
                 raise ValueError("verify=True checks host memory: use device='cpu'")
+        if self.pin_memory or self.device != "cpu":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise DeviceError(f"device={self.device!r}, pin_memory={self.pin_memory} need CUDA")
         self.prefetch = parse_size(prefetch)
         sizes = self.layout.sample_nbytes()
         if len(sizes):
@@ -438,6 +451,11 @@ class Loader:
                 self.layout.root,
             )
         self._pool = _Pool(self.slab_nbytes, slabs, self.device, self.pin_memory)
+        # fixed-shape fields only: a batch is a few views (microseconds); else its
+        # assembly (a view per sample, MDS decoding) runs on a worker thread
+        self._slow_assembly = self.layout.decoded is not None or any(
+            f.shape is None for f in self.layout.fields.values()
+        )
         self._files = FileCache(self.layout)
         self._epoch = 0
         self._position = 0
@@ -453,6 +471,11 @@ class Loader:
     def _part(self, epoch: int) -> np.ndarray[Any, Any]:
         order = epoch_order(self.layout.n, self.seed, epoch, self.shuffle)
         return rank_part(order, self.rank, self.world_size, self.drop_last)
+
+    def _prepare(self, epoch: int) -> np.ndarray[Any, Any]:
+        for i in range(len(self.layout.files)):
+            self.layout.check_unchanged(i)
+        return self._part(epoch)
 
     def samples_per_epoch(self) -> int:
         """Samples this rank gets per epoch (before dropping an incomplete batch)."""
@@ -518,15 +541,20 @@ class Loader:
         run = _Run(self)
         try:
             while True:
-                batch = thread.run(run.next())
-                if batch is None:
+                got = thread.run(run.next())
+                if got is None:
                     return
+                batch = self._deliver(*got)  # in this thread: the loop thread goes on reading
                 if self.transform is not None:
                     batch = self.transform(batch)
                 yield batch
         finally:
             if not thread.loop.is_closed():
                 thread.run(run.aclose())
+
+    def _deliver(self, plan: BatchPlan, slab: _Slab) -> dict[str, Any]:
+        batch = plan.assemble(self.layout, slab.buf, self.tensors)
+        return _clone(batch) if self.copy else batch
 
     def as_torch(self) -> Any:
         """This loader as a ``torch.utils.data.IterableDataset`` (see :class:`TorchIterable`)."""
@@ -628,9 +656,14 @@ class _AsyncIter:
         return self
 
     async def __anext__(self) -> dict[str, Any]:
-        batch = await self.run.next()
-        if batch is None:
+        got = await self.run.next()
+        if got is None:
             raise StopAsyncIteration
+        ld = self.loader
+        if ld.copy or ld._slow_assembly:  # decoding, copying, many views: off the loop
+            batch = await asyncio.to_thread(ld._deliver, *got)
+        else:
+            batch = ld._deliver(*got)
         tf = self.loader.transform
         return tf(batch) if tf is not None else batch
 
