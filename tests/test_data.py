@@ -622,3 +622,15 @@ def test_pin_memory_without_cuda_is_refused_at_once(ds_dir):
         Loader(ds_dir[0], batch_size=8, pin_memory=True)
     with pytest.raises(nvme.DeviceError):
         Loader(ds_dir[0], batch_size=8, device="cuda")
+
+
+def test_pad_batch_transform(ds_dir):
+    path, samples = ds_dir
+    with Loader(path, batch_size=10, transform=nvme.data.pad_batch) as loader:
+        b = next(iter(loader))
+    lens = [len(samples[i]["v"]) for i in b["id"].tolist()]
+    assert b["v"].shape == (10, max(lens)) and b["v_mask"].sum(1).tolist() == lens
+    for r, i in enumerate(b["id"].tolist()):
+        np.testing.assert_array_equal(b["v"][r, : lens[r]].numpy(), samples[i]["v"])
+        assert (b["v"][r, lens[r] :] == 0).all()
+    assert b["x"].shape == (10, 1024)  # fixed fields untouched

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._batch import pad_batch
 from ._dataset import Dataset
 from ._errors import CorruptDatasetError, DatasetChangedError, DatasetError, UnsupportedDatasetError
 from ._loader import BudgetError, Loader
@@ -34,6 +35,7 @@ __all__ = [
     "TorchIterable",
     "UnsupportedDatasetError",
     "epoch_order",
+    "pad_batch",
     "rank_part",
     "sync_write_dataset",
     "write_dataset",

@@ -183,3 +183,36 @@ def _torch_from(a: np.ndarray[Any, Any]) -> Any:
     import torch
 
     return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def pad_batch(batch: dict[str, Any], keys: list[str] | None = None, value: float = 0) -> dict[str, Any]:
+    """Turn list fields (shape varies between samples) into padded tensors with masks.
+
+    For each list field ``k`` of tensors with the same number of dimensions,
+    ``batch[k]`` becomes one ``[B, *max_shape]`` tensor filled with ``value``
+    around each sample, and ``batch[k + "_mask"]`` a bool tensor of the same
+    shape, True where the data is. Other fields are left as they are. Meant
+    as (part of) a loader's ``transform``; it copies, so the result outlives
+    the batch memory.
+    """
+    import torch
+
+    out = dict(batch)
+    for k, v in batch.items():
+        if keys is not None and k not in keys:
+            continue
+        if not isinstance(v, list) or not v or not all(isinstance(t, torch.Tensor) for t in v):
+            continue
+        ndim = v[0].dim()
+        if any(t.dim() != ndim for t in v):
+            raise ValueError(f"field {k!r}: samples differ in their number of dimensions")
+        shape = [max(int(t.shape[d]) for t in v) for d in range(ndim)]
+        padded = torch.full((len(v), *shape), value, dtype=v[0].dtype, device=v[0].device)
+        mask = torch.zeros((len(v), *shape), dtype=torch.bool, device=v[0].device)
+        for r, t in enumerate(v):
+            region: tuple[Any, ...] = (r, *(slice(0, int(s)) for s in t.shape))
+            padded[region] = t
+            mask[region] = True
+        out[k] = padded
+        out[k + "_mask"] = mask
+    return out
