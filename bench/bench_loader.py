@@ -394,7 +394,7 @@ def run_all(root: str, big: int, small: int, args: argparse.Namespace) -> list[d
     # memory: a fresh process, dataset = 4x the budget
     budget = max(big // 4, 1 << 20)
     out = subprocess.run(
-        [sys.executable, __file__, "--_memory", d128, str(budget), "64"],
+        [sys.executable, __file__, "--_memory", d128, str(budget), str(max(1, min(64, budget // (3 * S))))],
         capture_output=True,
         text=True,
         check=True,
