@@ -89,7 +89,12 @@ class _Pool:
             return _Slab(self.nbytes, self.device, self.pin)
         fut: asyncio.Future[_Slab] = asyncio.get_running_loop().create_future()
         self.waiters.append(fut)
-        return await fut  # a cancelled waiter that was handed a slab gives it back in put()
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # handed a slab, then cancelled: keep it
+                self.free.append(fut.result())
+            raise
 
     def put(self, slab: _Slab) -> None:
         while self.waiters:
@@ -130,7 +135,9 @@ class _Run:
         self.epoch = loader._epoch
         self.start = loader._position
         self.gen = loader._generation
-        self.ready: asyncio.Queue[tuple[asyncio.Task[BatchPlan], _Slab, int] | None] | None = None
+        self.ready: (
+            asyncio.Queue[tuple[asyncio.Task[BatchPlan], _Slab, int] | BaseException | None] | None
+        ) = None
         self.producer: asyncio.Task[None] | None = None
         self.inflight: list[tuple[asyncio.Task[BatchPlan], _Slab]] = []
         self.held: collections.deque[_Slab] = collections.deque()
@@ -161,24 +168,34 @@ class _Run:
 
     async def _produce(self, part: np.ndarray[Any, Any]) -> None:
         ld = self.loader
-        assert_ready = self.ready
-        if assert_ready is None:  # pragma: no cover - set by _begin
+        ready = self.ready
+        if ready is None:  # pragma: no cover - set by _begin
             return
-        pos, b = self.start, ld.batch_size
-        while pos < len(part):
-            idx = part[pos : pos + b]
-            if len(idx) < b and ld.drop_last:
-                break
-            t = time.perf_counter()
-            slab = await ld._pool.get()
-            ld._stats.io_wait += time.perf_counter() - t
-            plan = BatchPlan(ld.layout, idx)
-            task = asyncio.get_running_loop().create_task(self._read(plan, slab))
-            self.inflight.append((task, slab))
-            pos += len(idx)
-            assert_ready.put_nowait((task, slab, pos))
-            await asyncio.sleep(0)  # let the batch's reads go out before planning the next
-        assert_ready.put_nowait(None)
+        try:
+            pos, b = self.start, ld.batch_size
+            while pos < len(part):
+                idx = part[pos : pos + b]
+                if len(idx) < b and ld.drop_last:
+                    break
+                t = time.perf_counter()
+                slab = await ld._pool.get()
+                ld._stats.io_wait += time.perf_counter() - t
+                try:
+                    plan = BatchPlan(ld.layout, idx)
+                except BaseException:
+                    ld._pool.put(slab)
+                    raise
+                task = asyncio.get_running_loop().create_task(self._read(plan, slab))
+                self.inflight.append((task, slab))
+                pos += len(idx)
+                ready.put_nowait((task, slab, pos))
+                await asyncio.sleep(0)  # let the batch's reads go out before planning the next
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # the consumer gets it instead of waiting forever
+            ready.put_nowait(e)
+            return
+        ready.put_nowait(None)
 
     async def _read(self, plan: BatchPlan, slab: _Slab) -> BatchPlan:
         ld = self.loader
@@ -205,6 +222,9 @@ class _Run:
             ld._pool.put(self.held.popleft())
         t = time.perf_counter()
         item = await ready.get()
+        if isinstance(item, BaseException):
+            await self.aclose()
+            raise item
         if item is None:
             self.done = True
             if ld._generation == self.gen:
