@@ -654,3 +654,21 @@ async def test_many_abandoned_passes_never_leak_batch_memory(ds_dir):
     assert got + rest == list(range(300))
     assert loader.stats()["slabs"] == 2
     await loader.aclose()
+
+
+async def test_shard_removed_mid_pass(ds_dir):
+    """A shard removed after the pass began: the batch that needs it raises, after
+    the reads it already sent to other shards have finished (the autouse check
+    then finds no request left in flight)."""
+    path, _ = ds_dir
+    ds = Dataset(path)
+    assert len(ds.layout.files) > 3
+    loader = Loader(ds, batch_size=40, prefetch="1M")  # in order: a batch spans two shards at times
+    it = aiter(loader)
+    await anext(it)
+    os.unlink(ds.layout.files[-1])
+    with pytest.raises(DatasetChangedError, match="removed") as e:
+        async for _ in it:
+            pass
+    assert e.value.filename == ds.layout.files[-1]
+    await loader.aclose()

@@ -95,11 +95,18 @@ class BatchPlan:
     async def read(self, layout: Layout, files: FileCache, buf: Any) -> None:
         """Fill buf (at least self.nbytes, page-aligned) with one pread_many per file."""
 
-        futs = []
-        for fi, mem, off, ln, samples, _ in self.reads:
-            f = files.get(fi, samples[0] if samples else None)
-            items = [(buf[m : m + n], o) for m, o, n in zip(mem, off, ln)]
-            futs.append(f.pread_many(items))
+        futs: list[Any] = []
+        try:
+            for fi, mem, off, ln, samples, _ in self.reads:
+                f = files.get(fi, samples[0] if samples else None)
+                items = [(buf[m : m + n], o) for m, o, n in zip(mem, off, ln)]
+                futs.append(f.pread_many(items))
+        except BaseException:
+            # the batches already submitted still write into buf: wait for them first
+            await asyncio.gather(*futs, return_exceptions=True)
+            raise
+        # return_exceptions=True: the gather ends only when every read has (also when
+        # cancelled: aionvme's futures end once the kernel has let go of buf)
         results = await asyncio.gather(*futs, return_exceptions=True)
         for (fi, _, off, ln, samples, _), r in zip(self.reads, results):
             if isinstance(r, BaseException):
