@@ -141,6 +141,8 @@ class _Run:
         self.producer: asyncio.Task[None] | None = None
         self.inflight: list[tuple[asyncio.Task[BatchPlan], _Slab]] = []
         self.held: collections.deque[_Slab] = collections.deque()
+        self.waiting: tuple[asyncio.Task[BatchPlan], _Slab, int] | None = None  # taken from ready, being read
+        self.undelivered: tuple[BatchPlan, _Slab, int] | None = None  # read, not yet committed
         self.closed = False
         self.done = False
         self.t0 = 0.0
@@ -207,9 +209,14 @@ class _Run:
     async def next(self) -> tuple[BatchPlan, _Slab] | None:
         """The next batch's plan and memory (read and checked), or None at the end of the epoch.
 
-        Asking for a batch frees the batches handed out before the last
-        ``keep`` (``copy=True``: all of them, they were copied)."""
+        Asking for a new batch frees the batches handed out before the last
+        ``keep`` (``copy=True``: all of them, they were copied). A batch counts
+        as handed out at :meth:`commit`; until then (the consumer was cancelled
+        while it waited, or while the batch was being assembled) the same
+        batch is given again."""
         ld = self.loader
+        if self.undelivered is not None:
+            return self.undelivered[:2]
         if self.closed:
             return None
         if self.ready is None:
@@ -221,27 +228,48 @@ class _Run:
         while len(self.held) > keep:
             ld._pool.put(self.held.popleft())
         t = time.perf_counter()
-        item = await ready.get()
-        if isinstance(item, BaseException):
-            await self.aclose()
-            raise item
-        if item is None:
-            self.done = True
-            if ld._generation == self.gen:
-                ld._epoch += 1
-                ld._position = 0
-                ld._generation += 1
-            await self.aclose()
-            return None
-        task, slab, pos = item
+        if self.waiting is None:
+            item = await ready.get()  # cancelled here: the item stays in the queue
+            if isinstance(item, BaseException):
+                await self.aclose()
+                raise item
+            if item is None:
+                self.done = True
+                if ld._generation == self.gen:
+                    ld._epoch += 1
+                    ld._position = 0
+                    ld._generation += 1
+                await self.aclose()
+                return None
+            self.waiting = item
+        task, slab, pos = self.waiting
         try:
-            plan = await task
-        except BaseException:
+            # shield: a consumer cancelled here leaves the read running; the next call awaits it again
+            plan = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.cancelled():
+                raise
+            self.waiting = None
             await self.aclose()
             raise
-        finally:
-            self.inflight = [x for x in self.inflight if x[0] is not task]
+        except BaseException:
+            self.waiting = None
+            await self.aclose()
+            raise
+        self.waiting = None
+        self.inflight = [x for x in self.inflight if x[0] is not task]
         ld._stats.consumer_wait += time.perf_counter() - t
+        self.undelivered = (plan, slab, pos)
+        return plan, slab
+
+    def commit(self) -> None:
+        """The batch from :meth:`next` reached the consumer: it counts as handed out."""
+        got = self.undelivered
+        if got is None:  # pragma: no cover
+            return
+        plan, slab, pos = got
+        self.undelivered = None
+        ld = self.loader
         self.held.append(slab)
         if ld._generation == self.gen:
             ld._position = pos
@@ -249,7 +277,6 @@ class _Run:
         st.batches += 1
         st.samples += len(plan.idx)
         st.bytes += plan.data_nbytes
-        return plan, slab
 
     async def aclose(self) -> None:
         """Stop: no new reads; wait for those in flight (their memory stays
@@ -270,6 +297,10 @@ class _Run:
         self.inflight.clear()
         while self.held:
             ld._pool.put(self.held.popleft())
+        if self.undelivered is not None:
+            ld._pool.put(self.undelivered[1])
+            self.undelivered = None
+        self.waiting = None
         if ld._active is self:
             ld._active = None
         ld._stats.busy += time.perf_counter() - self.t0
@@ -565,6 +596,7 @@ class Loader:
                 if got is None:
                     return
                 batch = self._deliver(*got)  # in this thread: the loop thread goes on reading
+                run.commit()
                 if self.transform is not None:
                     batch = self.transform(batch)
                 yield batch
@@ -684,6 +716,7 @@ class _AsyncIter:
             batch = await asyncio.to_thread(ld._deliver, *got)
         else:
             batch = ld._deliver(*got)
+        self.run.commit()
         tf = self.loader.transform
         return tf(batch) if tf is not None else batch
 
