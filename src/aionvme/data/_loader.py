@@ -413,6 +413,13 @@ class Loader:
     its beginning (the current epoch: no change, so resuming and then calling
     ``set_epoch`` as torch code does keeps the position).
 
+    **Cancellation.** A consumer cancelled while it waits for a batch (a
+    timeout around ``anext``) does not lose it: the reads go on, and the same
+    batch is the next one handed out (also to a new ``async for``). Closing
+    (``aclose``, ``close``, the end of a ``for`` loop, a new pass) waits for
+    the reads in flight before batch memory is reused: the kernel never
+    writes into memory the loader has handed out again.
+
     **Changed files.** Every file's size, mtime and inode recorded when the
     dataset was opened are checked again at the start of each pass and when
     a read fails or a checksum differs: a change raises
