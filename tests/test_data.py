@@ -703,3 +703,16 @@ async def test_cancelled_consumer_resumes_exactly(ds_dir):
         assert loader.state_dict()["position"] == len(got) or loader.epoch == 1
     assert got == want and cancelled > 5
     await loader.aclose()
+
+
+def test_stats_see_a_slow_consumer(ds_dir):
+    """A consumer slower than the disk: the loader's reads sit idle, and stats() says so."""
+    import time
+
+    path, _ = ds_dir
+    with Loader(path, batch_size=30, prefetch="1M") as loader:
+        for _ in loader:
+            time.sleep(0.05)
+        st = loader.stats()
+    assert st["batches"] == 10 and st["elapsed_s"] >= 0.5
+    assert 0.1 < st["io_wait_s"] <= st["memory_wait_s"] <= st["elapsed_s"]

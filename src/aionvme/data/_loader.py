@@ -123,6 +123,7 @@ class _Stats:
         self.bytes = 0
         self.consumer_wait = 0.0
         self.io_wait = 0.0
+        self.memory_wait = 0.0
         self.busy = 0.0  # seconds with a run active
         self.started: float | None = None
 
@@ -143,6 +144,9 @@ class _Run:
         self.held: collections.deque[_Slab] = collections.deque()
         self.waiting: tuple[asyncio.Task[BatchPlan], _Slab, int] | None = None  # taken from ready, being read
         self.undelivered: tuple[BatchPlan, _Slab, int] | None = None  # read, not yet committed
+        self.reading = 0  # batches whose reads are in flight
+        self.producer_waiting = False
+        self.idle_since: float | None = None  # no read in flight, the producer waiting for memory
         self.closed = False
         self.done = False
         self.t0 = 0.0
@@ -180,13 +184,24 @@ class _Run:
                 if len(idx) < b and ld.drop_last:
                     break
                 t = time.perf_counter()
-                slab = await ld._pool.get()
-                ld._stats.io_wait += time.perf_counter() - t
+                self.producer_waiting = True
+                if self.reading == 0:
+                    self.idle_since = t
+                try:
+                    slab = await ld._pool.get()
+                finally:
+                    self.producer_waiting = False
+                    now = time.perf_counter()
+                    ld._stats.memory_wait += now - t
+                    if self.idle_since is not None:
+                        ld._stats.io_wait += now - self.idle_since
+                        self.idle_since = None
                 try:
                     plan = BatchPlan(ld.layout, idx)
                 except BaseException:
                     ld._pool.put(slab)
                     raise
+                self.reading += 1
                 task = asyncio.get_running_loop().create_task(self._read(plan, slab))
                 self.inflight.append((task, slab))
                 pos += len(idx)
@@ -201,7 +216,12 @@ class _Run:
 
     async def _read(self, plan: BatchPlan, slab: _Slab) -> BatchPlan:
         ld = self.loader
-        await plan.read(ld.layout, ld._files, slab.buf)
+        try:
+            await plan.read(ld.layout, ld._files, slab.buf)
+        finally:
+            self.reading -= 1
+            if self.reading == 0 and self.producer_waiting and self.idle_since is None:
+                self.idle_since = time.perf_counter()  # nothing to read until the consumer frees memory
         if ld.verify:
             await asyncio.get_running_loop().run_in_executor(ld._executor(), plan.verify, ld.layout, slab.buf)
         return plan
@@ -632,8 +652,12 @@ class Loader:
             ``samples``, ``batches``, ``bytes`` handed out; ``elapsed_s`` (since
             the first batch was asked for); ``samples_per_s``, ``bytes_per_s``;
             ``consumer_wait_s``: time the consumer waited for I/O (reads not
-            done when it asked); ``io_wait_s``: time reading waited for the
-            consumer (all batch memory full of batches not yet consumed);
+            done when it asked); ``io_wait_s``: time I/O waited for the
+            consumer (no read in flight because all batch memory held batches
+            read but not yet taken, or still held, by the consumer);
+            ``memory_wait_s``: all the time reading ahead waited for batch
+            memory (also while other reads were in flight: a larger
+            ``prefetch`` reads further ahead);
             ``slabs``/``slab_nbytes``: batch buffers made so far and their size.
         """
         st = self._stats
@@ -647,6 +671,7 @@ class Loader:
             "bytes_per_s": st.bytes / elapsed if elapsed else 0.0,
             "consumer_wait_s": st.consumer_wait,
             "io_wait_s": st.io_wait,
+            "memory_wait_s": st.memory_wait,
             "slabs": self._pool.made,
             "slab_nbytes": self.slab_nbytes,
             "prefetch": self.prefetch,
