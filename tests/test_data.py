@@ -42,10 +42,21 @@ def make_samples(n: int, seed: int = 0) -> list[dict]:
     return out
 
 
-@pytest.fixture
-def ds_dir(tmp_dir):
+@pytest.fixture(scope="module")
+def _ds_template(tmp_path_factory):
     samples = make_samples(300)
-    sync_write_dataset(tmp_dir / "ds", samples, shard_size="256K")
+    d = tmp_path_factory.mktemp("template") / "ds"
+    sync_write_dataset(d, samples, shard_size="256K")
+    return d, samples
+
+
+@pytest.fixture
+def ds_dir(tmp_dir, _ds_template):
+    """A fresh copy of a 300-sample dataset (tests may damage it)."""
+    import shutil
+
+    template, samples = _ds_template
+    shutil.copytree(template, tmp_dir / "ds")
     return tmp_dir / "ds", samples
 
 
