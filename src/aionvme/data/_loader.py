@@ -124,7 +124,6 @@ class _Stats:
         self.consumer_wait = 0.0
         self.io_wait = 0.0
         self.memory_wait = 0.0
-        self.busy = 0.0  # seconds with a run active
         self.started: float | None = None
 
 
@@ -148,7 +147,6 @@ class _Run:
         self.producer_waiting = False
         self.idle_since: float | None = None  # no read in flight, the producer waiting for memory
         self.closed = False
-        self.done = False
         self.t0 = 0.0
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -254,7 +252,6 @@ class _Run:
                 await self.aclose()
                 raise item
             if item is None:
-                self.done = True
                 if ld._generation == self.gen:
                     ld._epoch += 1
                     ld._position = 0
@@ -323,7 +320,6 @@ class _Run:
         self.waiting = None
         if ld._active is self:
             ld._active = None
-        ld._stats.busy += time.perf_counter() - self.t0
 
 
 def _clone(batch: dict[str, Any]) -> dict[str, Any]:
