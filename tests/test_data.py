@@ -727,3 +727,35 @@ def test_stats_see_a_slow_consumer(ds_dir):
         st = loader.stats()
     assert st["batches"] == 10 and st["elapsed_s"] >= 0.5
     assert 0.1 < st["io_wait_s"] <= st["memory_wait_s"] <= st["elapsed_s"]
+
+
+@pytest.mark.skipif(not hasattr(asyncio, "TaskGroup"), reason="asyncio.TaskGroup needs Python 3.11")
+async def test_taskgroup_failure_keeps_the_buffer_promise(ds_dir):
+    """A sibling task fails: the consuming task is cancelled in the middle of
+    an epoch; after aclose() no read is in flight (the autouse check) and the
+    next pass starts exactly after the last batch the consumer got."""
+    path, samples = ds_dir
+    loader = Loader(path, batch_size=20, shuffle=True, seed=4, prefetch="2M")
+    got: list[int] = []
+
+    async def consume():
+        async for b in loader:
+            got.extend(check_batch(b, samples))
+            await asyncio.sleep(0)
+
+    async def fail():
+        while len(got) < 60:
+            await asyncio.sleep(0)
+        raise RuntimeError("sibling failed")
+
+    with pytest.raises(Exception, match="unhandled errors in a TaskGroup"):
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(consume())
+            tg.create_task(fail())
+    await loader.aclose()
+    assert loader.state_dict()["position"] == len(got)
+    rest = []
+    async for b in loader:
+        rest += b["id"].tolist()
+    assert got + rest == nvme.data.epoch_order(300, 4, 0, True).tolist()
+    await loader.aclose()
