@@ -89,6 +89,10 @@ class Dataset:
     naming the file, here, before any data is read. The size, mtime and inode
     of every file are recorded: a file that changes later raises
     :class:`DatasetChangedError` where the reader meets the change.
+
+    Opening is blocking file I/O (the index, a header per shard or file:
+    seconds for a directory of a million ``.npy`` files). In async code,
+    open it with ``await asyncio.to_thread(Dataset, path)``.
     """
 
     def __init__(self, path: str | os.PathLike[str], format: str = "auto", *, key: str = "data") -> None:
