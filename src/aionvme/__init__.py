@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import defaults, gpu
+from . import data, defaults, gpu
 from ._engine import AlignedBuffer
 from .atomic import atomic_write
 from .exceptions import (
@@ -80,6 +80,7 @@ __all__ = [
     "__version__",
     "aclose",
     "atomic_write",
+    "data",
     "defaults",
     "deregister",
     "empty",
