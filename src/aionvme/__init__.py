@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import defaults, gpu
+from . import defaults, gpu, offload
 from ._engine import AlignedBuffer
 from .atomic import atomic_write
 from .exceptions import (
@@ -90,6 +90,7 @@ __all__ = [
     "load",
     "load_safetensors",
     "load_safetensors_sharded",
+    "offload",
     "open",
     "pread",
     "pread_many",
