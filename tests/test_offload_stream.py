@@ -40,10 +40,10 @@ def _model_bytes(model) -> int:
     return sum(seen.values())
 
 
-@pytest.fixture
-def llama_dir(tmp_path):
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
     cfg, ref = _llama()
-    d = tmp_path / "llama"
+    d = tmp_path_factory.mktemp("llama")
     ref.save_pretrained(d, max_shard_size="400KB")
     return cfg, ref, d
 
