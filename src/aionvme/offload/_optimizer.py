@@ -81,8 +81,12 @@ class Optimizer(torch.optim.Optimizer):
     chunk_size : int or str, optional
         Parameter bytes per chunk (a chunk never mixes groups); default
         budget / 8 (Adam keeps two states per parameter).
-    backend : {"auto", "file"}
-        Where state goes: one O_DIRECT file (``"file"``).
+    backend : {"auto", "store", "file"}
+        Where state goes: an :class:`aionvme.TieredStore` (``"store"``; half
+        the budget is its host tier, which keeps the hottest chunks in
+        memory), one O_DIRECT file (``"file"``; chunks that fit the budget
+        next to the pipeline stay in memory), or the store where this aionvme
+        has one (``"auto"``).
     **kwargs
         The wrapped optimizer's arguments (lr, weight_decay, amsgrad, ...).
 
@@ -114,9 +118,12 @@ class Optimizer(torch.optim.Optimizer):
         super().__init__(self._inner.param_groups, self._inner.defaults)
         self.param_groups = self._inner.param_groups
         self.budget = parse_size(budget)
-        self.chunk_size = parse_size(chunk_size) if chunk_size is not None else max(1, self.budget // 8)
         self._loop = LoopThread("aionvme-optimizer")
-        self._store: BlobStore = open_blob_store(os.fspath(path), backend, self.budget)
+        self._store: BlobStore = open_blob_store(os.fspath(path), backend, self.budget // 2)
+        # Adam keeps two states per parameter: a chunk's state is ~2x chunk_size,
+        # and three chunks are in the pipeline (next to the store's host tier, if any).
+        default_chunk = self.budget // (16 if self._store.caches else 8)
+        self.chunk_size = parse_size(chunk_size) if chunk_size is not None else max(1, default_chunk)
         self._chunks: list[_Chunk] = []
         self._chunked_groups: list[list[int]] = []
         # Counts the state bytes in memory (peak in stats()); the budget is kept
@@ -241,7 +248,10 @@ class Optimizer(torch.optim.Optimizer):
     def _may_keep(self, c: _Chunk) -> bool:
         """Keep a chunk's state in memory when the budget still leaves room for
         the three-chunk pipeline of the largest chunk (chunks not yet stepped
-        are estimated from the state/parameter ratio seen so far)."""
+        are estimated from the state/parameter ratio seen so far). A store
+        that caches does this itself."""
+        if self._store.caches:
+            return False
         known = [x for x in self._chunks if x.spec]
         ratio = max((x.nbytes / max(1, _param_bytes(x)) for x in known), default=2.0)
         sizes = [x.nbytes if x.spec else int(ratio * _param_bytes(x)) + 1 for x in self._chunks]

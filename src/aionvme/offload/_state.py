@@ -17,7 +17,7 @@ from ..file import File
 from ..file import open as nvme_open
 from ..memory import empty
 
-__all__ = ["BlobStore", "FileBlobStore", "open_blob_store"]
+__all__ = ["BlobStore", "FileBlobStore", "StoreBlobStore", "open_blob_store", "store_available"]
 
 _ALIGN = 4096
 
@@ -28,6 +28,7 @@ class BlobStore(Protocol):
 
     bytes_read: int
     bytes_written: int
+    caches: bool  # True: it keeps hot blobs in memory itself (the optimizer then keeps none)
 
     async def read(self, key: str, nbytes: int) -> torch.Tensor: ...
 
@@ -41,6 +42,8 @@ class FileBlobStore:
     extent (fixed once written: a chunk's state keeps its size from step to
     step; a blob that grows gets a new extent at the end). The file is
     removed on close."""
+
+    caches = False  # the optimizer keeps chunks resident itself, under its budget
 
     def __init__(self, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
@@ -88,9 +91,51 @@ class FileBlobStore:
             await asyncio.to_thread(os.unlink, self.path)
 
 
-def open_blob_store(directory: str, backend: str, budget: int) -> Any:
-    """The blob store for ``backend``: ``"file"`` (one O_DIRECT file) or
-    ``"auto"`` (the same until a TieredStore is available here)."""
-    if backend in ("auto", "file"):
+class StoreBlobStore:
+    """Blobs in an :class:`aionvme.TieredStore`: its host tier is the cache of
+    chunks kept in memory, its NVMe tier the rest. ``persist=False``: the
+    store's files go when it is closed."""
+
+    caches = True  # the optimizer keeps no resident chunks of its own
+
+    def __init__(self, directory: str, host_bytes: int) -> None:
+        import importlib
+
+        cls = getattr(importlib.import_module("aionvme"), "TieredStore", None)
+        if cls is None:
+            raise ValueError("backend='store' needs aionvme.TieredStore, which this aionvme lacks")
+        os.makedirs(directory, exist_ok=True)
+        self._store = cls(directory, host=max(host_bytes, 0), gpu=None, persist=False)
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    async def write(self, key: str, blob: torch.Tensor) -> None:
+        await self._store.put(key, blob)
+        self.bytes_written += blob.numel()
+
+    async def read(self, key: str, nbytes: int) -> torch.Tensor:
+        t: torch.Tensor = await self._store.get(key, device="cpu")
+        if t.numel() != nbytes:
+            raise ValueError(f"blob {key!r} holds {t.numel()} bytes, {nbytes} asked")
+        self.bytes_read += nbytes
+        return t
+
+    async def close(self) -> None:
+        await self._store.close()
+
+
+def store_available() -> bool:
+    import importlib
+
+    return getattr(importlib.import_module("aionvme"), "TieredStore", None) is not None
+
+
+def open_blob_store(directory: str, backend: str, host_bytes: int) -> Any:
+    """The blob store for ``backend``: ``"file"`` (one O_DIRECT file),
+    ``"store"`` (an :class:`aionvme.TieredStore` with ``host_bytes`` of host
+    tier) or ``"auto"`` (the store where this aionvme has one, else the file)."""
+    if backend == "file" or (backend == "auto" and not store_available()):
         return FileBlobStore(directory)
-    raise ValueError(f"backend must be 'auto' or 'file', got {backend!r}")
+    if backend in ("auto", "store"):
+        return StoreBlobStore(directory, host_bytes)
+    raise ValueError(f"backend must be 'auto', 'store' or 'file', got {backend!r}")
