@@ -26,8 +26,12 @@ class BlobStore(Protocol):
     """The adapter: blobs by key, read and written whole. Coroutines run on
     the optimizer's loop thread."""
 
-    bytes_read: int
-    bytes_written: int
+    @property
+    def bytes_read(self) -> int: ...  # from the device
+
+    @property
+    def bytes_written(self) -> int: ...  # to the device
+
     caches: bool  # True: it keeps hot blobs in memory itself (the optimizer then keeps none)
 
     async def read(self, key: str, nbytes: int) -> torch.Tensor: ...
@@ -106,19 +110,24 @@ class StoreBlobStore:
             raise ValueError("backend='store' needs aionvme.TieredStore, which this aionvme lacks")
         os.makedirs(directory, exist_ok=True)
         self._store = cls(directory, host=max(host_bytes, 0), gpu=None, persist=False)
-        self.bytes_read = 0
-        self.bytes_written = 0
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes the store read from NVMe (host-tier hits read nothing)."""
+        return int(self._store.stats()["nvme"]["bytes_out"])
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes the store wrote to NVMe (evictions of the host tier)."""
+        return int(self._store.stats()["nvme"]["bytes_in"])
 
     async def write(self, key: str, blob: torch.Tensor) -> None:
         await self._store.put(key, blob)
-        self.bytes_written += blob.numel()
 
     async def read(self, key: str, nbytes: int) -> torch.Tensor:
-        t: torch.Tensor = await self._store.get(key, device="cpu")
-        if t.numel() != nbytes:
-            raise ValueError(f"blob {key!r} holds {t.numel()} bytes, {nbytes} asked")
-        self.bytes_read += nbytes
-        return t
+        blob: torch.Tensor = empty(nbytes, "uint8", like="torch")
+        await self._store.get(key, device="cpu", out=blob)  # NVMe -> blob directly on a miss
+        return blob
 
     async def close(self) -> None:
         await self._store.close()
