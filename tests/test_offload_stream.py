@@ -167,13 +167,20 @@ def test_sequential_saved_with_aionvme(tmp_path):
 
 def test_errors_are_typed(tmp_path, llama_dir):
     cfg, ref, d = llama_dir
+    twin = copy.deepcopy(ref)
     with pytest.raises(BudgetError):
-        stream(_empty_like(cfg), d, budget=10_000)
+        stream(twin, d, budget=10_000)
+    # a refused model is left as it was, weights and all
+    assert all(torch.equal(p, q) for p, q in zip(twin.parameters(), ref.parameters(), strict=True))
     with pytest.raises(FileNotFoundError):
         stream(_empty_like(cfg), tmp_path / "nope.safetensors", budget="1M")
     other = torch.nn.Linear(3, 3, device="meta")
     with pytest.raises(nvme.TensorNotFoundError):
         stream(other, d, budget="1M")
+    with torch.device("meta"):  # rotary inv_freq: a buffer no checkpoint holds
+        all_meta = transformers.LlamaForCausalLM(cfg)
+    with pytest.raises(ValueError, match="init_empty_weights"):
+        stream(all_meta, d, budget="8M")
     model = stream(_empty_like(cfg), d, budget="8M")
     with pytest.raises(ValueError, match="already streamed"):
         stream(model, d, budget="8M")

@@ -44,9 +44,10 @@ class _Slot:
 
     entry: Entry
     target: torch.dtype
-    param: nn.Parameter | None  # its Parameter (kept, .data swapped); None for a buffer
-    buffer_refs: list[tuple[nn.Module, str]]  # (module, name) holding it, for buffers
+    param: nn.Parameter | None  # its Parameter once streaming (kept, .data swapped); None for a buffer
+    buffer_refs: list[tuple[nn.Module, str]]  # every (module, name) holding it
     shape: tuple[int, ...]
+    is_param: bool = False
     pos: int = 0  # where its bytes land in the unit's buffer
 
 
@@ -160,6 +161,8 @@ class Streamer:
         self._pos = 0
         self.ledger = Ledger(budget)
         self.plan = self._replan()
+        # Everything is checked: only now is the model changed.
+        self._detach_weights()
         self._install_hooks()
 
     # -- construction ------------------------------------------------------------
@@ -195,22 +198,23 @@ class Streamer:
                 continue
             target = self._target(p.dtype, e, dtype)
             self._check_shape(e, tuple(p.shape), refs[0][2])
-            holder = nn.Parameter(_placeholder(e.shape, target, self.device), requires_grad=False)
-            for m, pname, _ in refs:
-                m._parameters[pname] = holder
-            slots[id(holder)] = _Slot(e, target, holder, [], e.shape)
+            slots[id(p)] = _Slot(e, target, None, [(m, n) for m, n, _ in refs], e.shape, is_param=True)
         for b, brefs in buffers.values():
             e = find(brefs)
             if e is None:
                 if b.is_meta:
-                    missing.append(brefs[0][2])
+                    m0, name0, full0 = brefs[0]
+                    if name0 in m0._non_persistent_buffers_set:
+                        raise ValueError(
+                            f"buffer {full0} is on the meta device, and checkpoints do not hold it "
+                            "(a non-persistent buffer, computed when the module is built): build the "
+                            "model with accelerate.init_empty_weights(), which leaves buffers real"
+                        )
+                    missing.append(full0)
                 continue
             target = self._target(b.dtype, e, dtype)
             self._check_shape(e, tuple(b.shape), brefs[0][2])
-            ph = _placeholder(e.shape, target, self.device)
-            for m, bname, _ in brefs:
-                m._buffers[bname] = ph
-            slots[id(ph)] = _Slot(e, target, None, [(m, n) for m, n, _ in brefs], e.shape)
+            slots[id(b)] = _Slot(e, target, None, [(m, n) for m, n, _ in brefs], e.shape)
         if missing:
             raise TensorNotFoundError(missing, source)
 
@@ -315,6 +319,21 @@ class Streamer:
 
     def _replan(self) -> ResidencyPlan:
         return plan_residency([u.nbytes for u in self.units], self.schedule, self.budget, self.prefetch)
+
+    def _detach_weights(self) -> None:
+        """Every streamed tensor becomes a placeholder: one new Parameter per
+        distinct parameter (shared by all the modules that tie it), whose
+        ``.data`` is swapped between the placeholder and the loaded view."""
+        for u in self.units:
+            for s in u.slots:
+                ph = _placeholder(s.shape, s.target, self.device)
+                if s.is_param:
+                    s.param = nn.Parameter(ph, requires_grad=False)
+                    for m, name in s.buffer_refs:
+                        m._parameters[name] = s.param
+                else:
+                    for m, name in s.buffer_refs:
+                        m._buffers[name] = ph
 
     def _install_hooks(self) -> None:
         for u in self.units:
