@@ -104,6 +104,28 @@ def test_a_model_that_fits_reads_nothing_on_the_second_pass(llama_dir):
         s.close()
 
 
+def test_pinned_blocks_are_not_read_again(llama_dir):
+    cfg, ref, d = llama_dir
+    budget = _model_bytes(ref) * 3 // 5
+    model = stream(_empty_like(cfg), d, budget=budget, prefetch=1)
+    s = streamer_of(model)
+    try:
+        ids = torch.randint(0, cfg.vocab_size, (1, 8))
+        with torch.no_grad():
+            model(ids)
+            after_first = s.stats()["bytes_read"]
+            torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+        units = list(s.iter_units())
+        pinned = [n for n, _, p in units if p]
+        streamed = sum(b for _, b, p in units if not p)
+        assert pinned and len(pinned) < len(units)
+        # the second pass reads exactly the blocks that are not pinned
+        assert s.stats()["bytes_read"] - after_first == streamed
+        assert s.stats()["peak_resident_bytes"] <= budget
+    finally:
+        s.close()
+
+
 def test_tied_embeddings_are_read_once_per_load(tmp_path):
     cfg, ref = _llama(tie=True, layers=4, seed=3)
     assert ref.lm_head.weight is ref.model.embed_tokens.weight
