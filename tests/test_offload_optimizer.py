@@ -173,3 +173,23 @@ def test_params_without_grad_are_left_alone(tmp_path):
         opt.close()
         with pytest.raises(RuntimeError, match="closed"):
             opt.step()
+
+
+def test_bf16_parameters_and_foreach(tmp_path):
+    ref_model = _net(6).to(torch.bfloat16)
+    model = copy.deepcopy(ref_model)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=True)
+    with Optimizer(
+        torch.optim.AdamW, model.parameters(), tmp_path, lr=1e-2, foreach=True, budget="24K", chunk_size="2K"
+    ) as opt:
+        for m, o in ((ref_model, ref), (model, opt)):
+            g = torch.Generator().manual_seed(2)
+            for _ in range(2):
+                x = torch.randn(4, 16, generator=g).to(torch.bfloat16)
+                m(x).float().square().mean().backward()
+                o.step()
+                o.zero_grad()
+        assert opt.stats()["bytes_read"] > 0
+        for p, q in zip(ref_model.parameters(), model.parameters(), strict=True):
+            assert q.dtype == torch.bfloat16 and torch.equal(p, q)
+        _assert_same_state(ref.state_dict(), opt.state_dict())
