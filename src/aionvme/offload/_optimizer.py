@@ -380,8 +380,9 @@ class Optimizer(torch.optim.Optimizer):
             self.timeline.append((name, kind, t0 - origin, time.perf_counter() - origin))
 
     def stats(self) -> dict[str, Any]:
-        """Bytes read and written, seconds waiting for I/O and computing,
-        state bytes held in memory now and at peak, chunks resident."""
+        """Bytes read from and written to NVMe, seconds waiting for I/O and
+        computing, state bytes held in memory now and at peak (the pipeline
+        and resident chunks; the store's host tier separately), chunks resident."""
         return {
             "steps": self.steps,
             "chunks": len(self._chunks),
@@ -391,8 +392,9 @@ class Optimizer(torch.optim.Optimizer):
             "bytes_written": self._store.bytes_written,
             "io_wait_s": self.io_wait_s,
             "compute_s": self.compute_s,
-            "memory_bytes": self.ledger.used,
+            "memory_bytes": self.ledger.used,  # chunks resident or in the pipeline
             "peak_memory_bytes": self.ledger.peak,
+            "store_host_bytes": self._store.host_bytes,  # in the TieredStore's host tier (budget / 2 at most)
             "budget": self.budget,
         }
 

@@ -34,6 +34,9 @@ class BlobStore(Protocol):
 
     caches: bool  # True: it keeps hot blobs in memory itself (the optimizer then keeps none)
 
+    @property
+    def host_bytes(self) -> int: ...  # state it holds in memory itself
+
     async def read(self, key: str, nbytes: int) -> torch.Tensor: ...
 
     async def write(self, key: str, blob: torch.Tensor) -> None: ...
@@ -48,6 +51,7 @@ class FileBlobStore:
     removed on close."""
 
     caches = False  # the optimizer keeps chunks resident itself, under its budget
+    host_bytes = 0
 
     def __init__(self, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
@@ -110,6 +114,11 @@ class StoreBlobStore:
             raise ValueError("backend='store' needs aionvme.TieredStore, which this aionvme lacks")
         os.makedirs(directory, exist_ok=True)
         self._store = cls(directory, host=max(host_bytes, 0), gpu=None, persist=False)
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of state the store holds in its host tier now."""
+        return int(self._store.stats()["host"]["used"])
 
     @property
     def bytes_read(self) -> int:
