@@ -84,9 +84,8 @@ class Optimizer(torch.optim.Optimizer):
     backend : {"auto", "store", "file"}
         Where state goes: an :class:`aionvme.TieredStore` (``"store"``; half
         the budget is its host tier, which keeps the hottest chunks in
-        memory), one O_DIRECT file (``"file"``; chunks that fit the budget
-        next to the pipeline stay in memory), or the store where this aionvme
-        has one (``"auto"``).
+        memory; ``"auto"`` is the same), or one O_DIRECT file (``"file"``;
+        chunks that fit the budget next to the pipeline stay in memory).
     **kwargs
         The wrapped optimizer's arguments (lr, weight_decay, amsgrad, ...).
 

@@ -16,8 +16,9 @@ import torch
 from ..file import File
 from ..file import open as nvme_open
 from ..memory import empty
+from ..store import TieredStore
 
-__all__ = ["BlobStore", "FileBlobStore", "StoreBlobStore", "open_blob_store", "store_available"]
+__all__ = ["BlobStore", "FileBlobStore", "StoreBlobStore", "open_blob_store"]
 
 _ALIGN = 4096
 
@@ -107,13 +108,8 @@ class StoreBlobStore:
     caches = True  # the optimizer keeps no resident chunks of its own
 
     def __init__(self, directory: str, host_bytes: int) -> None:
-        import importlib
-
-        cls = getattr(importlib.import_module("aionvme"), "TieredStore", None)
-        if cls is None:
-            raise ValueError("backend='store' needs aionvme.TieredStore, which this aionvme lacks")
         os.makedirs(directory, exist_ok=True)
-        self._store = cls(directory, host=max(host_bytes, 0), gpu=None, persist=False)
+        self._store = TieredStore(directory, host=max(host_bytes, 0), gpu=None, persist=False)
 
     @property
     def host_bytes(self) -> int:
@@ -142,17 +138,11 @@ class StoreBlobStore:
         await self._store.close()
 
 
-def store_available() -> bool:
-    import importlib
-
-    return getattr(importlib.import_module("aionvme"), "TieredStore", None) is not None
-
-
 def open_blob_store(directory: str, backend: str, host_bytes: int) -> Any:
-    """The blob store for ``backend``: ``"file"`` (one O_DIRECT file),
-    ``"store"`` (an :class:`aionvme.TieredStore` with ``host_bytes`` of host
-    tier) or ``"auto"`` (the store where this aionvme has one, else the file)."""
-    if backend == "file" or (backend == "auto" and not store_available()):
+    """The blob store for ``backend``: ``"file"`` (one O_DIRECT file), or
+    ``"store"``/``"auto"`` (an :class:`aionvme.TieredStore` with ``host_bytes``
+    of host tier)."""
+    if backend == "file":
         return FileBlobStore(directory)
     if backend in ("auto", "store"):
         return StoreBlobStore(directory, host_bytes)
