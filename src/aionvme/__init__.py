@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import data, defaults, gpu
+from . import data, defaults, gpu, offload
 from ._engine import AlignedBuffer
 from .atomic import atomic_write
 from .exceptions import (
@@ -48,6 +48,15 @@ from .gpu import deregister, register
 from .handle import Handle
 from .memory import empty, is_aligned
 from .runtime import aclose, stats
+from .store import (
+    StoreClosedError,
+    StoreError,
+    StoreFullError,
+    StoreKeyError,
+    StoreTimeoutError,
+    SyncTieredStore,
+    TieredStore,
+)
 
 
 def info(path: str | None = None, *, init_cuda: bool = False) -> dict[str, Any]:
@@ -75,7 +84,14 @@ __all__ = [
     "SafetensorsError",
     "ShortReadError",
     "ShortWriteError",
+    "StoreClosedError",
+    "StoreError",
+    "StoreFullError",
+    "StoreKeyError",
+    "StoreTimeoutError",
+    "SyncTieredStore",
     "TensorNotFoundError",
+    "TieredStore",
     "UnsupportedOperation",
     "__version__",
     "aclose",
@@ -91,6 +107,7 @@ __all__ = [
     "load",
     "load_safetensors",
     "load_safetensors_sharded",
+    "offload",
     "open",
     "pread",
     "pread_many",

@@ -1,0 +1,419 @@
+"""A torch optimizer whose state lives on NVMe between steps, updated chunk
+by chunk with the reads and writes of neighbouring chunks overlapped."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..defaults import parse_size
+from ..memory import empty
+from ._loop import LoopThread
+from ._planner import Ledger
+from ._state import BlobStore, open_blob_store
+
+__all__ = ["Optimizer"]
+
+_ALIGN = 64  # state tensors inside a blob start on cache-line boundaries
+
+
+@dataclass
+class _Chunk:
+    """Parameters whose state is read, updated and written together (one group each)."""
+
+    key: str
+    params: list[tuple[int, torch.Tensor]]  # (group index, param)
+    spec: tuple[
+        tuple[int, str, torch.dtype, tuple[int, ...], int], ...
+    ] = ()  # (param#, key, dtype, shape, pos)
+    nbytes: int = 0
+    stored: bool = False  # its state is in the blob store
+    resident: torch.Tensor | None = None  # its blob, kept in memory under the budget
+    extra: dict[int, dict[str, Any]] = field(default_factory=dict)  # non-tensor state per param#
+
+
+def _spec_of(
+    states: list[dict[str, Any]],
+) -> tuple[tuple[tuple[int, str, torch.dtype, tuple[int, ...], int], ...], int]:
+    spec = []
+    pos = 0
+    for i, st in enumerate(states):
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                spec.append((i, k, v.dtype, tuple(v.shape), pos))
+                pos += (v.numel() * v.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN
+    return tuple(spec), pos
+
+
+def _param_bytes(c: _Chunk) -> int:
+    return sum(p.numel() * p.element_size() for _, p in c.params)
+
+
+def _view(blob: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], pos: int) -> torch.Tensor:
+    n = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
+    return blob[pos : pos + n].view(dtype).reshape(shape)
+
+
+class Optimizer(torch.optim.Optimizer):
+    """Wrap a torch optimizer so that its state lives on NVMe between steps.
+
+    Parameters
+    ----------
+    optimizer_class : type
+        A ``torch.optim.Optimizer`` subclass (AdamW, Adam, SGD with momentum,
+        ...) that keeps per-parameter state and updates each parameter from
+        its own gradient and state. Its math is used as it is, so results
+        equal the same optimizer run in memory, bit for bit.
+    params : iterable
+        Parameters or parameter groups, as for ``optimizer_class``.
+    path : str or os.PathLike
+        Directory for the state file (removed by :meth:`close`).
+    budget : int or str
+        Host memory for the state, e.g. ``"1G"``: the three chunks in the
+        pipeline plus any chunks kept resident (all of them when the state
+        fits, so no I/O at all after the first step).
+    chunk_size : int or str, optional
+        Parameter bytes per chunk (a chunk never mixes groups); default
+        budget / 8 (Adam keeps two states per parameter).
+    backend : {"auto", "store", "file"}
+        Where state goes: an :class:`aionvme.TieredStore` (``"store"``; half
+        the budget is its host tier, which keeps the hottest chunks in
+        memory; ``"auto"`` is the same), or one O_DIRECT file (``"file"``;
+        chunks that fit the budget next to the pipeline stay in memory).
+    **kwargs
+        The wrapped optimizer's arguments (lr, weight_decay, amsgrad, ...).
+
+    Notes
+    -----
+    ``step()`` goes over the chunks in order: the state of chunk i+1 is read
+    while chunk i is updated (torch's optimizer run on that chunk alone, its
+    state swapped in), and chunk i-1 is written back; at most three chunks'
+    state is in memory. Reads and writes run on a private event-loop thread.
+    ``param_groups`` are the wrapped optimizer's (LR schedulers work);
+    ``state`` stays empty, since the state is not in memory: use
+    :meth:`state_dict`, which reads it all and has the in-memory optimizer's
+    layout (and :meth:`load_state_dict` takes one).
+    """
+
+    def __init__(
+        self,
+        optimizer_class: type[torch.optim.Optimizer],
+        params: Iterable[Any],
+        path: str | os.PathLike[str],
+        *,
+        budget: int | str = "1G",
+        chunk_size: int | str | None = None,
+        backend: str = "auto",
+        **kwargs: Any,
+    ) -> None:
+        self._ready = False
+        self._inner = optimizer_class(params, **kwargs)
+        super().__init__(self._inner.param_groups, self._inner.defaults)
+        self.param_groups = self._inner.param_groups
+        self.budget = parse_size(budget)
+        self._loop = LoopThread("aionvme-optimizer")
+        self._store: BlobStore = open_blob_store(os.fspath(path), backend, self.budget // 2)
+        # Adam keeps two states per parameter: a chunk's state is ~2x chunk_size,
+        # and three chunks are in the pipeline (next to the store's host tier, if any).
+        default_chunk = self.budget // (16 if self._store.caches else 8)
+        self.chunk_size = parse_size(chunk_size) if chunk_size is not None else max(1, default_chunk)
+        self._chunks: list[_Chunk] = []
+        self._chunked_groups: list[list[int]] = []
+        # Counts the state bytes in memory (peak in stats()); the budget is kept
+        # by the choice of chunk size and resident chunks, not by refusing.
+        self.ledger = Ledger(1 << 62)
+        self.io_wait_s = 0.0
+        self.compute_s = 0.0
+        self.steps = 0
+        self.timeline: list[tuple[str, str, float, float]] = []
+        self._closed = False
+        self._ready = True
+
+    # -- groups and chunks ---------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not getattr(self, "_ready", False):  # torch's __init__ registers the inner groups
+            super().add_param_group(param_group)
+            return
+        self._inner.add_param_group(param_group)
+        self.param_groups = self._inner.param_groups
+
+    def _rechunk(self) -> None:
+        """Chunks of ~chunk_size parameter bytes per group (made again when the
+        groups change; state already stored is moved to the new chunks)."""
+        shape = [[id(p) for p in g["params"]] for g in self.param_groups]
+        if shape == self._chunked_groups:
+            return
+        if self._chunks:
+            self._gather_state()
+        chunks: list[_Chunk] = []
+        for gi, g in enumerate(self.param_groups):
+            cur: list[tuple[int, torch.Tensor]] = []
+            size = 0
+            for p in g["params"]:
+                n = p.numel() * p.element_size()
+                if cur and size + n > self.chunk_size:
+                    chunks.append(_Chunk(f"g{gi}c{len(chunks)}", cur))
+                    cur, size = [], 0
+                cur.append((gi, p))
+                size += n
+            if cur:
+                chunks.append(_Chunk(f"g{gi}c{len(chunks)}", cur))
+        for c in self._chunks:
+            if c.resident is not None:
+                self.ledger.release(id(c))
+        self._chunks = chunks
+        self._chunked_groups = shape
+        if self._inner.state:
+            self._scatter_state()
+
+    # -- the step ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Update every parameter with a gradient, chunk by chunk (see the class Notes)."""
+        if self._closed:
+            raise RuntimeError("this optimizer is closed")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._rechunk()
+        todo = [c for c in self._chunks if any(p.grad is not None for _, p in c.params)]
+        reads: dict[int, concurrent.futures.Future[torch.Tensor]] = {}
+        writes: dict[int, concurrent.futures.Future[None]] = {}
+        t_origin = time.perf_counter()
+
+        def start_read(i: int) -> None:
+            c = todo[i]
+            if c.stored and c.resident is None and i not in reads:
+                self.ledger.reserve(id(c) + 1, c.nbytes)
+                reads[i] = self._loop.submit(self._store.read(c.key, c.nbytes))
+
+        def finish_write(i: int) -> None:
+            fut = writes.pop(i, None)
+            if fut is not None:
+                t0 = time.perf_counter()
+                fut.result()
+                self.io_wait_s += time.perf_counter() - t0
+                self.ledger.release(id(todo[i]) + 2)
+
+        try:
+            if todo:
+                start_read(0)
+            for i, c in enumerate(todo):
+                finish_write(i - 2)  # at most: chunk i+1 read, i updated, i-1 written
+                if i + 1 < len(todo):
+                    start_read(i + 1)
+                blob = c.resident
+                if i in reads:
+                    t0 = time.perf_counter()
+                    blob = reads.pop(i).result()
+                    self.io_wait_s += time.perf_counter() - t0
+                    self._mark(c.key, "read-wait", t0, t_origin)
+                t0 = time.perf_counter()
+                self._install(c, blob)
+                self._run_inner(c)
+                blob = self._pack(c, blob)
+                if id(c) + 1 in self.ledger.held:
+                    self.ledger.release(id(c) + 1)
+                self.compute_s += time.perf_counter() - t0
+                self._mark(c.key, "update", t0, t_origin)
+                if c.resident is not None:
+                    continue
+                if self._may_keep(c):
+                    c.resident = blob
+                    self.ledger.reserve(id(c), c.nbytes)
+                    c.stored = False
+                    continue
+                self.ledger.reserve(id(c) + 2, c.nbytes)
+                writes[i] = self._loop.submit(self._store.write(c.key, blob))
+                c.stored = True
+            for i in list(writes):
+                finish_write(i)
+        finally:
+            # An error leaves nothing in flight: reads and writes are awaited.
+            pending: list[concurrent.futures.Future[Any]] = [*reads.values(), *writes.values()]
+            concurrent.futures.wait(pending)
+        self.steps += 1
+        return loss
+
+    def _may_keep(self, c: _Chunk) -> bool:
+        """Keep a chunk's state in memory when the budget still leaves room for
+        the three-chunk pipeline of the largest chunk (chunks not yet stepped
+        are estimated from the state/parameter ratio seen so far). A store
+        that caches does this itself."""
+        if self._store.caches:
+            return False
+        known = [x for x in self._chunks if x.spec]
+        ratio = max((x.nbytes / max(1, _param_bytes(x)) for x in known), default=2.0)
+        sizes = [x.nbytes if x.spec else int(ratio * _param_bytes(x)) + 1 for x in self._chunks]
+        room = 3 * max(sizes, default=0)
+        kept = sum(x.nbytes for x in self._chunks if x.resident is not None and x is not c)
+        return kept + c.nbytes + room <= self.budget
+
+    def _install(self, c: _Chunk, blob: torch.Tensor | None) -> None:
+        """Put the chunk's state into the wrapped optimizer as views of ``blob``."""
+        state = self._inner.state
+        for i, (_, p) in enumerate(c.params):
+            st: dict[str, Any] = dict(c.extra.get(i, {}))
+            state[p] = st
+        if blob is None:
+            return
+        for i, k, dtype, shape, pos in c.spec:
+            state[c.params[i][1]][k] = _view(blob, dtype, shape, pos)
+        for _, p in c.params:
+            if not state[p]:
+                del state[p]
+
+    def _run_inner(self, c: _Chunk) -> None:
+        """torch's step on this chunk's parameters alone."""
+        groups = self._inner.param_groups
+        saved = [g["params"] for g in groups]
+        try:
+            for g in groups:
+                g["params"] = []
+            for gi, p in c.params:
+                groups[gi]["params"].append(p)
+            self._inner.step()
+        finally:
+            for g, ps in zip(groups, saved, strict=True):
+                g["params"] = ps
+
+    def _pack(self, c: _Chunk, blob: torch.Tensor | None) -> torch.Tensor:
+        """Take the chunk's state out of the wrapped optimizer into one blob
+        (the same blob, untouched, when the state was updated in place)."""
+        state = self._inner.state
+        states = [state.pop(p, {}) for _, p in c.params]
+        spec, nbytes = _spec_of(states)
+        c.extra = {
+            i: {k: v for k, v in st.items() if not isinstance(v, torch.Tensor)}
+            for i, st in enumerate(states)
+            if any(not isinstance(v, torch.Tensor) for v in st.values())
+        }
+        if blob is None or spec != c.spec:
+            if c.resident is not None:
+                self.ledger.release(id(c))
+                c.resident = None
+            blob = empty(max(nbytes, 1), "uint8", like="torch")
+            c.spec, c.nbytes = spec, max(nbytes, 1)
+            c.stored = False
+        for i, k, dtype, shape, pos in spec:
+            v = states[i][k]
+            dst = _view(blob, dtype, shape, pos)
+            if v.data_ptr() != dst.data_ptr() or v.stride() != dst.stride():
+                dst.copy_(v)  # replaced (not updated in place) by the optimizer, or first step
+        return blob
+
+    # -- reading it all ------------------------------------------------------------
+
+    def _gather_state(self) -> None:
+        """Every chunk's state into the wrapped optimizer's ``state`` (read whole)."""
+        futs = {
+            i: self._loop.submit(self._store.read(c.key, c.nbytes))
+            for i, c in enumerate(self._chunks)
+            if c.stored and c.resident is None
+        }
+        for i, c in enumerate(self._chunks):
+            blob = futs[i].result() if i in futs else c.resident
+            if blob is not None and c.resident is not None:
+                blob = blob.clone()  # the caller's copy must not change with later steps
+            if blob is not None or c.extra:
+                self._install(c, blob)
+
+    def _scatter_state(self) -> None:
+        """The wrapped optimizer's ``state`` out to the chunks (resident or written)."""
+        futs = []
+        for c in self._chunks:
+            if not any(p in self._inner.state for _, p in c.params):
+                continue
+            c.spec = ()
+            blob = self._pack(c, None)
+            if c.resident is not None:
+                self.ledger.release(id(c))
+                c.resident = None
+            if self._may_keep(c):
+                c.resident = blob
+                self.ledger.reserve(id(c), c.nbytes)
+            else:
+                futs.append(self._loop.submit(self._store.write(c.key, blob)))
+                c.stored = True
+        for f in futs:
+            f.result()
+        self._inner.state.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's ``state_dict()``, with all state read back:
+        the same layout as the optimizer run in memory."""
+        self._rechunk()
+        try:
+            self._gather_state()
+            return self._inner.state_dict()
+        finally:
+            self._inner.state.clear()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``state_dict()`` (ours or the in-memory optimizer's) and
+        write its state out to the chunks."""
+        self._rechunk()
+        for c in self._chunks:
+            if c.resident is not None:
+                self.ledger.release(id(c))
+            c.resident, c.stored, c.spec, c.nbytes, c.extra = None, False, (), 0, {}
+        self._inner.load_state_dict(state_dict)
+        self.param_groups = self._inner.param_groups
+        self._chunked_groups = []  # the group dicts are new objects
+        self._rechunk()
+        self._scatter_state()
+
+    # -- reporting and closing -----------------------------------------------------
+
+    def _mark(self, name: str, kind: str, t0: float, origin: float) -> None:
+        if len(self.timeline) < 100_000:
+            self.timeline.append((name, kind, t0 - origin, time.perf_counter() - origin))
+
+    def stats(self) -> dict[str, Any]:
+        """Bytes read from and written to NVMe, seconds waiting for I/O and
+        computing, state bytes held in memory now and at peak (the pipeline
+        and resident chunks; the store's host tier separately), chunks resident."""
+        return {
+            "steps": self.steps,
+            "chunks": len(self._chunks),
+            "resident_chunks": sum(c.resident is not None for c in self._chunks),
+            "state_bytes": sum(c.nbytes for c in self._chunks),
+            "bytes_read": self._store.bytes_read,
+            "bytes_written": self._store.bytes_written,
+            "io_wait_s": self.io_wait_s,
+            "compute_s": self.compute_s,
+            "memory_bytes": self.ledger.used,  # chunks resident or in the pipeline
+            "peak_memory_bytes": self.ledger.peak,
+            "store_host_bytes": self._store.host_bytes,  # in the TieredStore's host tier (budget / 2 at most)
+            "budget": self.budget,
+        }
+
+    def close(self) -> None:
+        """Drop the state and remove its file. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._loop.run(self._store.close())
+        finally:
+            self._loop.close()
+            for c in self._chunks:
+                c.resident = None
+
+    def __enter__(self) -> Optimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"aionvme.offload.Optimizer({self._inner!r}, budget={self.budget})"

@@ -1,0 +1,701 @@
+"""Layer-streamed inference: a model's weights read from safetensors on
+NVMe block by block, just before each block runs, under a memory budget."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..defaults import parse_size
+from ..file import File
+from ..file import open as nvme_open
+from ..formats import TensorNotFoundError
+from ..memory import empty
+from ._index import Entry, WeightIndex, read_index
+from ._loop import LoopThread
+from ._planner import BudgetError, Ledger, ResidencyPlan, plan_residency, upcoming
+
+__all__ = ["Streamer", "stream", "streamer_of"]
+
+_ALIGN = 4096  # O_DIRECT offset/length alignment that every device we know accepts
+_MERGE_GAP = 256 * 1024  # reading a gap this small costs less than another request
+_ATTR = "_aionvme_streamer"
+_TIMELINE_MAX = 100_000
+
+ABSENT, LOADING, READY = 0, 1, 2
+
+
+def _round_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass
+class _Slot:
+    """One distinct tensor of the model (all the names it has, tied weights included)."""
+
+    entry: Entry
+    target: torch.dtype
+    param: nn.Parameter | None  # its Parameter once streaming (kept, .data swapped); None for a buffer
+    buffer_refs: list[tuple[nn.Module, str]]  # every (module, name) holding it
+    shape: tuple[int, ...]
+    is_param: bool = False
+    pos: int = 0  # where its bytes land in the unit's buffer
+
+
+@dataclass
+class _Unit:
+    id: int
+    name: str
+    roots: list[nn.Module]
+    slots: list[_Slot]
+    extents: list[tuple[str, int, int, int]] = field(default_factory=list)  # (file, offset, length, buf pos)
+    buf_bytes: int = 0
+    nbytes: int = 0  # reserved while resident: the read buffer plus converted copies
+    state: int = ABSENT
+    future: concurrent.futures.Future[dict[int, torch.Tensor]] | None = None
+    active: int = 0
+
+
+def _placeholder(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of the right shape and dtype backed by one element: what a
+    released weight holds (4 bytes instead of its size)."""
+    return torch.zeros(1, dtype=dtype, device=device).as_strided(shape, [0] * len(shape))
+
+
+def _largest_module_list(model: nn.Module) -> nn.Module | None:
+    """The container of the model's repeated layers: the ModuleList (or
+    Sequential) with the most children, then the most parameters."""
+    best: nn.Module | None = None
+    best_key = (1, 0)
+    for m in model.modules():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 1:
+            size = sum(p.numel() for p in m.parameters())
+            key = (len(m), size)
+            if key > best_key:
+                best, best_key = m, key
+    return best
+
+
+def _contains(module: nn.Module, target: nn.Module) -> bool:
+    return any(m is target for m in module.modules())
+
+
+def _group_roots(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
+    """(name, module, recurse) per group: each child of the largest ModuleList,
+    and each maximal submodule outside it that holds tensors; a module on the
+    path to the list that holds tensors itself gives a group of those alone."""
+    blocks = _largest_module_list(model)
+    out: list[tuple[str, nn.Module, bool]] = []
+
+    def has_tensors(m: nn.Module, recurse: bool) -> bool:
+        return any(True for _ in m.parameters(recurse=recurse)) or any(
+            True for _ in m.buffers(recurse=recurse)
+        )
+
+    def walk(name: str, m: nn.Module) -> None:
+        if blocks is not None and m is blocks:
+            for cname, c in m.named_children():
+                if has_tensors(c, True):
+                    out.append((f"{name}.{cname}" if name else cname, c, True))
+            return
+        if blocks is not None and _contains(m, blocks):
+            if has_tensors(m, False):
+                out.append((name or "<root>", m, False))
+            for cname, c in m.named_children():
+                walk(f"{name}.{cname}" if name else cname, c)
+            return
+        if has_tensors(m, True):
+            out.append((name or "<root>", m, True))
+
+    walk("", model)
+    return out
+
+
+class Streamer:
+    """The state of a streamed model: units, residency, hooks and counters.
+
+    Made by :func:`stream`; reach it with :func:`streamer_of`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        index: WeightIndex,
+        loop: LoopThread,
+        *,
+        budget: int,
+        device: torch.device,
+        prefetch: int,
+        dtype: torch.dtype | None,
+        source: str,
+    ) -> None:
+        self.model = model
+        self.index = index
+        self.device = device
+        self.prefetch = prefetch
+        self.budget = budget
+        self._loop = loop
+        self._files: dict[str, File] = {}
+        self._hooks: list[Any] = []
+        self._closed = False
+        self.bytes_read = 0
+        self.loads = 0
+        self.hits = 0
+        self.misses = 0
+        self.wait_s = 0.0
+        self.passes = 0
+        self.timeline: list[tuple[str, str, float, float]] = []
+        self._t0 = time.perf_counter()
+        self.units = self._build_units(dtype, source)
+        self.schedule: list[int] = [u.id for u in self.units]
+        self._recording: list[int] | None = None
+        self._pos = 0
+        self.ledger = Ledger(budget)
+        self.plan = self._replan()
+        # Everything is checked: only now is the model changed.
+        self._detach_weights()
+        self._install_hooks()
+
+    # -- construction ------------------------------------------------------------
+
+    def _build_units(self, dtype: torch.dtype | None, source: str) -> list[_Unit]:
+        model = self.model
+        # Every (module, name) that refers to each distinct tensor.
+        params: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]] = {}
+        buffers: dict[int, tuple[torch.Tensor, list[tuple[nn.Module, str, str]]]] = {}
+        for mname, m in model.named_modules(remove_duplicate=False):
+            prefix = f"{mname}." if mname else ""
+            for pname, p in m._parameters.items():
+                if p is not None:
+                    params.setdefault(id(p), (p, []))[1].append((m, pname, prefix + pname))
+            for bname, b in m._buffers.items():
+                if b is not None:
+                    buffers.setdefault(id(b), (b, []))[1].append((m, bname, prefix + bname))
+        entries = self.index.entries
+        slots: dict[int, _Slot] = {}
+        missing: list[str] = []
+
+        def find(refs: list[tuple[nn.Module, str, str]]) -> Entry | None:
+            for _, _, full in refs:
+                if full in entries:
+                    return entries[full]
+            return None
+
+        for p, refs in params.values():
+            e = find(refs)
+            if e is None:
+                if p.is_meta:
+                    missing.append(refs[0][2])
+                continue
+            target = self._target(p.dtype, e, dtype)
+            self._check_shape(e, tuple(p.shape), refs[0][2])
+            slots[id(p)] = _Slot(e, target, None, [(m, n) for m, n, _ in refs], e.shape, is_param=True)
+        for b, brefs in buffers.values():
+            e = find(brefs)
+            if e is None:
+                if b.is_meta:
+                    m0, name0, full0 = brefs[0]
+                    if name0 in m0._non_persistent_buffers_set:
+                        raise ValueError(
+                            f"buffer {full0} is on the meta device, and checkpoints do not hold it "
+                            "(a non-persistent buffer, computed when the module is built): build the "
+                            "model with accelerate.init_empty_weights(), which leaves buffers real"
+                        )
+                    missing.append(full0)
+                continue
+            target = self._target(b.dtype, e, dtype)
+            self._check_shape(e, tuple(b.shape), brefs[0][2])
+            slots[id(b)] = _Slot(e, target, None, [(m, n) for m, n, _ in brefs], e.shape)
+        if missing:
+            raise TensorNotFoundError(missing, source)
+
+        # Groups of modules, then the distinct tensors each one uses; groups
+        # sharing a tensor (tied weights) are merged into one unit.
+        groups = _group_roots(model)
+        group_slots: list[list[int]] = []
+        for _, root, recurse in groups:
+            keys = [id(t) for t in root.parameters(recurse=recurse)] + [
+                id(t) for t in root.buffers(recurse=recurse)
+            ]
+            group_slots.append([k for k in dict.fromkeys(keys) if k in slots])
+        parent = list(range(len(groups)))
+
+        def top(i: int) -> int:
+            while parent[i] != i:
+                parent[i] = parent[parent[i]]
+                i = parent[i]
+            return i
+
+        owner: dict[int, int] = {}
+        for gi, keys in enumerate(group_slots):
+            for k in keys:
+                if k in owner:
+                    parent[top(gi)] = top(owner[k])
+                else:
+                    owner[k] = gi
+        merged: dict[int, list[int]] = {}
+        for gi in range(len(groups)):
+            if group_slots[gi]:
+                merged.setdefault(top(gi), []).append(gi)
+        units: list[_Unit] = []
+        for members in sorted(merged.values()):
+            keys = list(dict.fromkeys(k for gi in members for k in group_slots[gi]))
+            u = _Unit(
+                len(units),
+                "+".join(groups[gi][0] for gi in members),
+                [groups[gi][1] for gi in members],
+                [slots[k] for k in keys],
+            )
+            self._plan_reads(u)
+            units.append(u)
+        return units
+
+    def _target(self, model_dtype: torch.dtype, e: Entry, asked: torch.dtype | None) -> torch.dtype:
+        stored: torch.dtype = getattr(torch, e.dtype)
+        if asked is not None and stored.is_floating_point:
+            return asked
+        if model_dtype.is_floating_point and stored.is_floating_point:
+            return model_dtype
+        return stored
+
+    @staticmethod
+    def _check_shape(e: Entry, shape: tuple[int, ...], name: str) -> None:
+        if e.shape != shape:
+            raise ValueError(f"{name}: the model has shape {shape}, the checkpoint {e.shape} ({e.path})")
+
+    def _plan_reads(self, u: _Unit) -> None:
+        """One request per file for the unit: its tensors' byte ranges, sorted,
+        merged across small gaps, widened to the O_DIRECT alignment, packed
+        into one page-aligned buffer; each tensor a view at its position."""
+        by_file: dict[str, list[_Slot]] = {}
+        for s in u.slots:
+            by_file.setdefault(s.entry.path, []).append(s)
+        pos = 0
+        converted = 0
+        for path, ss in by_file.items():
+            ss.sort(key=lambda s: s.entry.offset)
+            runs: list[list[_Slot]] = []
+            for s in ss:
+                if runs:
+                    last = runs[-1][-1].entry
+                    if s.entry.offset - (last.offset + last.nbytes) <= _MERGE_GAP:
+                        runs[-1].append(s)
+                        continue
+                runs.append([s])
+            for run in runs:
+                start = run[0].entry.offset // _ALIGN * _ALIGN
+                # widened to the block size, but not past the end of the file
+                end = min(
+                    _round_up(max(s.entry.offset + s.entry.nbytes for s in run), _ALIGN),
+                    self.index.sizes[path],
+                )
+                u.extents.append((path, start, end - start, pos))
+                for s in run:
+                    s.pos = pos + s.entry.offset - start
+                pos += _round_up(end - start, _ALIGN)
+        for s in u.slots:
+            if self._needs_copy(s):
+                converted += _round_up(s.entry.nbytes // _itemsize(s.entry.dtype) * _itemsize_t(s.target), 64)
+        u.buf_bytes = pos
+        # A converted or device copy replaces the read buffer once it is made;
+        # both exist for a moment, so both are reserved.
+        u.nbytes = pos + converted
+
+    def _needs_copy(self, s: _Slot) -> bool:
+        return (
+            getattr(torch, s.entry.dtype) != s.target
+            or self.device.type != "cpu"
+            or s.pos % _itemsize(s.entry.dtype) != 0
+        )
+
+    def _replan(self) -> ResidencyPlan:
+        return plan_residency([u.nbytes for u in self.units], self.schedule, self.budget, self.prefetch)
+
+    def _detach_weights(self) -> None:
+        """Every streamed tensor becomes a placeholder: one new Parameter per
+        distinct parameter (shared by all the modules that tie it), whose
+        ``.data`` is swapped between the placeholder and the loaded view."""
+        for u in self.units:
+            for s in u.slots:
+                ph = _placeholder(s.shape, s.target, self.device)
+                if s.is_param:
+                    s.param = nn.Parameter(ph, requires_grad=False)
+                    for m, name in s.buffer_refs:
+                        m._parameters[name] = s.param
+                else:
+                    for m, name in s.buffer_refs:
+                        m._buffers[name] = ph
+
+    def _install_hooks(self) -> None:
+        for u in self.units:
+            for root in u.roots:
+                self._hooks.append(root.register_forward_pre_hook(self._pre_hook(u)))
+                self._hooks.append(root.register_forward_hook(self._post_hook(u), always_call=True))
+        self._hooks.append(self.model.register_forward_pre_hook(self._pass_begin))
+        self._hooks.append(self.model.register_forward_hook(self._pass_end, always_call=True))
+
+    def _pre_hook(self, u: _Unit) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            self.acquire(u)
+
+        return hook
+
+    def _post_hook(self, u: _Unit) -> Any:
+        def hook(module: nn.Module, args: Any, out: Any) -> None:
+            self.done(u)
+
+        return hook
+
+    # -- a pass --------------------------------------------------------------------
+
+    def _pass_begin(self, module: nn.Module, args: Any) -> None:
+        if self._closed:
+            raise RuntimeError("this model's streamer is closed")
+        self._recording = []
+        self._pos = 0
+        self._top_up()
+
+    def _pass_end(self, module: nn.Module, args: Any, out: Any) -> None:
+        rec, self._recording = self._recording, None
+        self.passes += 1
+        if rec and rec != self.schedule:
+            # The first pass tells the real order (the module order was a guess).
+            self.schedule = rec
+            self.plan = self._replan()
+            for u in self.units:
+                if u.state == READY and u.active == 0 and not self._keep(u):
+                    self._release(u)
+        self._pos = 0
+        self._top_up()  # the next pass's first blocks, read while the caller works
+
+    def acquire(self, u: _Unit) -> None:
+        """Make ``u`` resident and bound to the model (pre-forward)."""
+        if self._recording is not None and (not self._recording or self._recording[-1] != u.id):
+            self._recording.append(u.id)
+        n = len(self.schedule)
+        for k in range(n):
+            if self.schedule[(self._pos + k) % n] == u.id:
+                self._pos = (self._pos + k + 1) % n
+                break
+        t0 = time.perf_counter()
+        if u.state == ABSENT:
+            self.misses += 1
+            self._make_room(u)
+            self._start_load(u)
+        else:
+            self.hits += 1
+        if u.state == LOADING:
+            self._finish_load(u)
+        self.wait_s += time.perf_counter() - t0
+        u.active += 1
+        self._top_up()
+        self._mark(u.name, "wait", t0)
+
+    def done(self, u: _Unit) -> None:
+        """``u`` has run (post-forward): release it unless it is kept."""
+        u.active = max(0, u.active - 1)
+        self._mark(u.name, "compute", self._last_mark)
+        if u.active == 0 and u.state == READY and not self._keep(u):
+            self._release(u)
+        self._top_up()
+
+    def _keep(self, u: _Unit) -> bool:
+        return u.id in self.plan.pinned or u.id in upcoming(self.schedule, self._pos, self.prefetch)
+
+    def _make_room(self, u: _Unit) -> None:
+        """Free read-ahead that is not needed before ``u`` so that ``u`` fits."""
+        if self.ledger.fits(u.nbytes):
+            return
+        for v in reversed(upcoming(self.schedule, self._pos, len(self.schedule))):
+            if self.ledger.fits(u.nbytes):
+                break
+            if v == u.id or v in self.plan.pinned or self.units[v].active:
+                continue
+            w = self.units[v]
+            if w.state == LOADING:
+                self._finish_load(w)
+            if w.state == READY:
+                self._release(w)
+        if not self.ledger.fits(u.nbytes):
+            raise BudgetError(
+                f"block {u.name} needs {u.nbytes} bytes but only {self.budget - self.ledger.used} of the "
+                f"budget ({self.budget}) are free while the blocks running hold the rest"
+            )
+
+    def _top_up(self) -> None:
+        """Start reading the next ``prefetch`` blocks that fit in the budget, in order."""
+        if self.prefetch <= 0:
+            return
+        for v in upcoming(self.schedule, self._pos, self.prefetch):
+            w = self.units[v]
+            if w.state != ABSENT:
+                continue
+            if not self.ledger.fits(w.nbytes):
+                break
+            self._start_load(w)
+
+    # -- loading -----------------------------------------------------------------
+
+    def _start_load(self, u: _Unit) -> None:
+        self.ledger.reserve(u.id, u.nbytes)
+        u.state = LOADING
+        u.future = self._loop.submit(self._read(u))
+
+    def _finish_load(self, u: _Unit) -> None:
+        fut = u.future
+        if fut is None:
+            raise RuntimeError(f"block {u.name} has no load in flight")
+        try:
+            tensors = fut.result()
+        except BaseException:
+            u.state = ABSENT
+            u.future = None
+            self.ledger.release(u.id)
+            raise
+        u.future = None
+        for k, s in enumerate(u.slots):
+            t = tensors[k]
+            if s.param is not None:
+                s.param.data = t
+            else:
+                for m, name in s.buffer_refs:
+                    m._buffers[name] = t
+        u.state = READY
+        self.loads += 1
+        self.bytes_read += u.buf_bytes
+
+    def _release(self, u: _Unit) -> None:
+        for s in u.slots:
+            ph = _placeholder(s.shape, s.target, self.device)
+            if s.param is not None:
+                s.param.data = ph
+            else:
+                for m, name in s.buffer_refs:
+                    m._buffers[name] = ph
+        u.state = ABSENT
+        self.ledger.release(u.id)
+
+    def _file(self, path: str) -> File:
+        f = self._files.get(path)
+        if f is None:
+            f = self._files[path] = nvme_open(path, "r")
+        return f
+
+    async def _read(self, u: _Unit) -> dict[int, torch.Tensor]:
+        """On the loop thread: one batched O_DIRECT request per file into one
+        page-aligned buffer; the tensors are views of it."""
+        t0 = time.perf_counter()
+        buf = empty(u.buf_bytes, "uint8", like="torch")
+        by_file: dict[str, list[tuple[Any, int]]] = {}
+        for path, off, length, pos in u.extents:
+            by_file.setdefault(path, []).append((buf[pos : pos + length], off))
+        await asyncio.gather(*(self._file(p).pread_many(items) for p, items in by_file.items()))
+        self._mark(u.name, "io", t0)
+        out: dict[int, torch.Tensor] = {}
+        copies: list[int] = []
+        for k, s in enumerate(u.slots):
+            e = s.entry
+            stored = getattr(torch, e.dtype)
+            if s.pos % _itemsize(e.dtype) == 0:
+                out[k] = buf[s.pos : s.pos + e.nbytes].view(stored).view(e.shape)
+            else:
+                out[k] = buf[s.pos : s.pos + e.nbytes].clone().view(stored).view(e.shape)
+            if self._needs_copy(s):
+                copies.append(k)
+        if copies:
+            # Conversions and device copies are real work: off the loop thread.
+            def convert() -> None:
+                for k in copies:
+                    out[k] = out[k].to(device=self.device, dtype=u.slots[k].target)
+
+            await asyncio.to_thread(convert)
+        return out
+
+    # -- reporting ---------------------------------------------------------------
+
+    _last_mark = 0.0
+
+    def _mark(self, name: str, kind: str, t0: float) -> None:
+        t1 = time.perf_counter()
+        if kind != "io":
+            self._last_mark = t1
+        if len(self.timeline) < _TIMELINE_MAX:
+            self.timeline.append((name, kind, t0 - self._t0, t1 - self._t0))
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: bytes read, loads, hits and misses at the hooks, seconds
+        the forward waited for reads, resident bytes now and at peak, the budget."""
+        return {
+            "bytes_read": self.bytes_read,
+            "loads": self.loads,
+            "hits": self.hits,
+            "misses": self.misses,
+            "wait_s": self.wait_s,
+            "passes": self.passes,
+            "resident_bytes": self.ledger.used,
+            "peak_resident_bytes": self.ledger.peak,
+            "budget": self.budget,
+            "units": len(self.units),
+            "pinned_units": len(self.plan.pinned),
+            "model_bytes": sum(u.nbytes for u in self.units),
+        }
+
+    def iter_units(self) -> Iterator[tuple[str, int, bool]]:
+        """(name, bytes, pinned) per unit, in schedule order."""
+        for uid in dict.fromkeys(self.schedule):
+            u = self.units[uid]
+            yield u.name, u.nbytes, uid in self.plan.pinned
+
+    def close(self) -> None:
+        """Remove the hooks, wait for reads in flight, release every block and
+        the loop thread. The model's weights are placeholders afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._hooks:
+            h.remove()
+        for u in self.units:
+            if u.future is not None:
+                with contextlib.suppress(Exception):  # closing: the read's outcome no longer matters
+                    u.future.result()
+                u.future = None
+                u.state = READY
+            if u.state == READY:
+                self._release(u)
+        files = list(self._files.values())
+        self._files.clear()
+
+        async def close_files() -> None:
+            for f in files:
+                await f.aclose()
+
+        try:
+            self._loop.run(close_files())
+        finally:
+            self._loop.close()
+        if getattr(self.model, _ATTR, None) is self:
+            delattr(self.model, _ATTR)
+
+
+def _itemsize(dtype_name: str) -> int:
+    return int(torch.empty(0, dtype=getattr(torch, dtype_name)).element_size())
+
+
+def _itemsize_t(dtype: torch.dtype) -> int:
+    return int(torch.empty(0, dtype=dtype).element_size())
+
+
+def stream(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    budget: int | str,
+    device: str | torch.device = "cpu",
+    prefetch: int = 2,
+    dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """Run ``model`` with its weights streamed from safetensors under a memory budget.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Built on the meta device (``with torch.device("meta")`` or
+        ``accelerate.init_empty_weights()``) or with its weights present (they
+        are dropped). Its parameter and buffer names must match the
+        checkpoint's tensor names; tied weights are read once.
+    path : str or os.PathLike
+        A ``save_pretrained`` directory (sharded with
+        ``model.safetensors.index.json``, or one ``model.safetensors``), an
+        index file, or one safetensors file (e.g. from
+        :func:`aionvme.save_safetensors`).
+    budget : int or str
+        Bytes the streamed weights may occupy at once, e.g. ``"2G"``: resident
+        blocks and reads in flight together. Activations are not counted.
+    device : str or torch.device
+        Where the weights are used: ``"cpu"``, or ``"cuda"`` (read to host,
+        then copied; unverified without a GPU).
+    prefetch : int
+        Blocks read ahead while the current one computes.
+    dtype : torch.dtype, optional
+        Convert floating-point weights to this dtype (a copy per read).
+        Without it, a floating-point weight is converted only where the
+        model's parameter has another dtype than the checkpoint.
+
+    Returns
+    -------
+    The same module, with hooks: ``model(inputs)`` gives the same outputs as
+    the model held in memory. :func:`streamer_of` gives its counters and
+    ``close()``.
+
+    Raises
+    ------
+    BudgetError
+        The budget cannot hold the largest block.
+    TensorNotFoundError
+        A meta-device parameter or buffer has no tensor in the checkpoint.
+
+    Notes
+    -----
+    Blocks are the children of the model's largest ``nn.ModuleList`` (its
+    repeated layers); the rest of the model forms one unit per top-level
+    submodule (modules sharing tied weights form one). A block's tensors are
+    read with one batched O_DIRECT request per file into one page-aligned
+    buffer and used as views of it (no copy unless a dtype or device change
+    is needed). Reads run on a private event-loop thread, so the forward
+    (synchronous) computes while the next ``prefetch`` blocks are read. The
+    first pass records the order in which blocks run; the residency plan
+    pins as many blocks as the budget allows (all of them when the model
+    fits, so later passes do no I/O). Streaming is for inference: parameters
+    are set to ``requires_grad=False``; run under ``torch.no_grad()`` or
+    ``torch.inference_mode()`` so autograd does not keep released weights alive.
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        from ..exceptions import DeviceError
+
+        raise DeviceError(f"device={device!r} needs CUDA, but torch.cuda.is_available() is False")
+    if prefetch < 0:
+        raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+    if getattr(model, _ATTR, None) is not None:
+        raise ValueError("this model is already streamed; close its streamer first")
+    nbytes = parse_size(budget)
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie):
+        # transformers models built empty (init_empty_weights) hold untied
+        # meta copies of tied weights until this runs; the checkpoint has one.
+        tie()
+    loop = LoopThread()
+    try:
+        index = loop.run(read_index(path))
+        s = Streamer(
+            model,
+            index,
+            loop,
+            budget=nbytes,
+            device=dev,
+            prefetch=prefetch,
+            dtype=dtype,
+            source=os.fspath(path),
+        )
+    except BaseException:
+        loop.close()
+        raise
+    setattr(model, _ATTR, s)
+    return model
+
+
+def streamer_of(model: nn.Module) -> Streamer:
+    """The :class:`Streamer` of a model returned by :func:`stream`."""
+    s = getattr(model, _ATTR, None)
+    if not isinstance(s, Streamer):
+        raise ValueError("this model is not streamed (see aionvme.offload.stream)")
+    return s

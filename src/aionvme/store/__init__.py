@@ -1,0 +1,55 @@
+"""aionvme.store: a tiered tensor store (GPU memory, host memory, NVMe).
+
+::
+
+    store = aionvme.TieredStore("/nvme/cache", host="8G")
+    await store.put("layer.3.w", tensor)
+    t = await store.get("layer.3.w")
+
+See :class:`TieredStore` for placement, ownership, persistence and
+concurrency; :class:`SyncTieredStore` for blocking code.
+"""
+
+from __future__ import annotations
+
+from ._alloc import ExtentAllocator
+from ._errors import (
+    JournalError,
+    StoreClosedError,
+    StoreError,
+    StoreFullError,
+    StoreKeyError,
+    StoreKeyTypeError,
+    StoreTimeoutError,
+)
+from ._policy import (
+    Admission,
+    AdmitAll,
+    EvictionPolicy,
+    LFUPolicy,
+    LRUPolicy,
+    S3FIFOPolicy,
+    SecondTouch,
+)
+from ._store import TieredStore
+from ._sync import SyncTieredStore
+
+__all__ = [
+    "Admission",
+    "AdmitAll",
+    "EvictionPolicy",
+    "ExtentAllocator",
+    "JournalError",
+    "LFUPolicy",
+    "LRUPolicy",
+    "S3FIFOPolicy",
+    "SecondTouch",
+    "StoreClosedError",
+    "StoreError",
+    "StoreFullError",
+    "StoreKeyError",
+    "StoreKeyTypeError",
+    "StoreTimeoutError",
+    "SyncTieredStore",
+    "TieredStore",
+]

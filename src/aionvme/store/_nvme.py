@@ -1,0 +1,262 @@
+"""The NVMe tier: one preallocated O_DIRECT slab file per directory, an extent
+allocator per slab, values striped over the slabs when they are large.
+
+An extent list describes where a value's bytes live: ``(slab, offset,
+buf_offset, nbytes)`` per piece, ``buf_offset`` being the piece's place in the
+value. Pieces start on 4096-byte boundaries in the file and in the value, so
+page-aligned buffers move zero-copy with O_DIRECT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+from .. import file as _file
+from ._alloc import ALIGN, ExtentAllocator, round_up
+from ._errors import StoreFullError
+
+__all__ = ["Extents", "NvmeTier", "Slab"]
+
+Extent = tuple[int, int, int, int]  # (slab index, file offset, offset in the value, nbytes)
+Extents = list[Extent]
+
+GROW_MIN = 64 << 20  # a slab grows by at least this much (fallocate), or by a quarter of itself
+
+
+class Slab:
+    """One slab file: an aionvme File (O_DIRECT) and the allocator of its space."""
+
+    def __init__(self, path: str, fixed: int | None, create: bool) -> None:
+        self.path = path
+        self.fixed = fixed  # preallocated size that never grows, or None (grows on demand)
+        mode = "x+" if create else "r+"
+        self.file = _file.File(path, mode)
+        try:
+            size = self.file.size()
+            if fixed is not None and size < fixed:
+                _fallocate(self.file.fileno(), 0, fixed, path)
+                size = fixed
+        except BaseException:
+            self.file.close()
+            raise
+        self.alloc = ExtentAllocator(size - size % ALIGN)
+
+    @property
+    def size(self) -> int:
+        return self.alloc.capacity
+
+
+def _fallocate(fd: int, offset: int, length: int, path: str) -> None:
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise StoreFullError(f"cannot grow the slab to {offset + length} bytes", path) from None
+        raise OSError(e.errno, e.strerror, path) from None
+
+
+class NvmeTier:
+    """Slab files in ``dirs``; ``capacity`` bytes in all (split evenly,
+    preallocated) or None to grow each slab by fallocate as needed.
+
+    ``stripe`` is the value size from which a value is split over all slabs
+    (one piece per slab, read and written in parallel).
+    """
+
+    name = "nvme"
+
+    def __init__(
+        self,
+        dirs: Sequence[str],
+        capacity: int | None,
+        *,
+        persist: bool,
+        stripe: int = 4 << 20,
+        basename: str = "aionvme-store",
+    ) -> None:
+        self.dirs = [os.path.abspath(d) for d in dirs]
+        self.capacity_limit = capacity
+        self.stripe = stripe
+        self.persist = persist
+        self.slabs: list[Slab] = []
+        per = None if capacity is None else round_up(max(capacity // len(self.dirs), ALIGN))
+        tag = "" if persist else f".{os.getpid()}.{secrets.token_hex(4)}"
+        try:
+            for d in self.dirs:
+                os.makedirs(d, exist_ok=True)
+                path = os.path.join(d, f"{basename}{tag}.slab")
+                self.slabs.append(Slab(path, per, create=not (persist and os.path.exists(path))))
+        except BaseException:
+            self.close(remove=not persist)
+            raise
+        self._grow_lock: asyncio.Lock | None = None
+        self._next = 0
+        self.stats: dict[str, float] = {
+            "hits": 0,
+            "misses": 0,
+            "bytes_in": 0,
+            "bytes_out": 0,
+            "evictions": 0,
+            "wait_s": 0.0,
+            "compactions": 0,
+        }
+
+    # -- space ---------------------------------------------------------------------
+
+    @property
+    def used(self) -> int:
+        return sum(s.alloc.used for s in self.slabs)
+
+    @property
+    def capacity(self) -> int:
+        return sum(s.size for s in self.slabs)
+
+    def pieces(self, nbytes: int) -> list[tuple[int, int]]:
+        """(offset in the value, nbytes) of each piece of a value."""
+        k = len(self.slabs)
+        if k == 1 or nbytes < self.stripe:
+            return [(0, nbytes)]
+        part = round_up(-(-nbytes // k))
+        return [(o, min(part, nbytes - o)) for o in range(0, nbytes, part)]
+
+    def _try_alloc(self, nbytes: int) -> Extents | None:
+        pieces = self.pieces(nbytes)
+        k = len(self.slabs)
+        out: Extents = []
+        if len(pieces) == 1:
+            # the slab with the most free space, round-robin among equals
+            order = sorted(range(k), key=lambda i: (-self.slabs[i].alloc.free_bytes, (i - self._next) % k))
+            self._next = (self._next + 1) % k
+            for i in order:
+                off = self.slabs[i].alloc.alloc(nbytes)
+                if off is not None:
+                    return [(i, off, 0, nbytes)]
+            return None
+        for j, (boff, n) in enumerate(pieces):
+            placed = False
+            for d in range(k):
+                i = (j + d) % k
+                off = self.slabs[i].alloc.alloc(n)
+                if off is not None:
+                    out.append((i, off, boff, n))
+                    placed = True
+                    break
+            if not placed:
+                self.free(out)
+                return None
+        return out
+
+    async def allocate(self, nbytes: int) -> Extents:
+        """Extents for a value of nbytes: from free space, else by growing a slab.
+
+        Raises StoreFullError (ENOSPC) when neither works.
+        """
+        ext = self._try_alloc(nbytes)
+        if ext is not None:
+            return ext
+        if self._grow_lock is None:
+            self._grow_lock = asyncio.Lock()
+        async with self._grow_lock:
+            ext = self._try_alloc(nbytes)
+            if ext is not None:
+                return ext
+            await self._grow(nbytes)
+            ext = self._try_alloc(nbytes)
+            if ext is not None:
+                return ext
+        raise StoreFullError(
+            f"the NVMe tier has no room for {nbytes} bytes ({self.used} of {self.capacity} used, "
+            f"largest free extent {max((s.alloc.largest_free() for s in self.slabs), default=0)})",
+            self.slabs[0].path,
+        )
+
+    async def _grow(self, nbytes: int) -> None:
+        """Grow slabs so that each piece of a value fits at a slab's end."""
+        growable = [s for s in self.slabs if s.fixed is None]
+        if not growable:
+            return
+        loop = asyncio.get_running_loop()
+        want: dict[int, int] = {}  # id(slab) -> bytes it must have free at its end
+        slabs: dict[int, Slab] = {}
+        for j, (_boff, n) in enumerate(self.pieces(nbytes)):
+            s = growable[j % len(growable)]
+            want[id(s)] = want.get(id(s), 0) + round_up(max(n, 1))
+            slabs[id(s)] = s
+        for sid, need in want.items():
+            s = slabs[sid]
+            short = need - s.alloc.tail_free()
+            if short <= 0:
+                continue
+            step = round_up(max(short, GROW_MIN, s.size // 4))
+            if self.capacity_limit is None:
+                try:
+                    await loop.run_in_executor(None, _fallocate, s.file.fileno(), s.size, step, s.path)
+                except StoreFullError:
+                    step = round_up(short)  # the disk is nearly full: just what is needed
+                    await loop.run_in_executor(None, _fallocate, s.file.fileno(), s.size, step, s.path)
+            s.alloc.grow(s.size + step)
+
+    def free(self, ext: Extents) -> None:
+        for i, off, _boff, n in ext:
+            self.slabs[i].alloc.free(off, n)
+
+    def reserve(self, ext: Extents) -> None:
+        """Mark extents used (rebuilding from a journal)."""
+        for i, off, _boff, n in ext:
+            s = self.slabs[i]
+            if off + round_up(max(n, 1)) > s.size:
+                s.alloc.grow(off + round_up(max(n, 1)))
+            s.alloc.reserve(off, n)
+
+    # -- transfers ---------------------------------------------------------------------
+
+    def _items(self, jobs: Sequence[tuple[Extents, Any]]) -> dict[int, list[tuple[Any, int]]]:
+        per: dict[int, list[tuple[Any, int]]] = {}
+        for ext, raw in jobs:
+            size = len(raw)
+            for i, off, boff, n in ext:
+                rn = round_up(n)
+                ln = rn if boff + rn <= size else n  # whole pages where the buffer has them
+                per.setdefault(i, []).append((raw[boff : boff + ln], off))
+        return per
+
+    async def _run(self, jobs: Sequence[tuple[Extents, Any]], write: bool) -> None:
+        per = self._items(jobs)
+        futs = [
+            (self.slabs[i].file.pwrite_many(items) if write else self.slabs[i].file.pread_many(items))
+            for i, items in per.items()
+        ]
+        if len(futs) == 1:
+            await futs[0]
+            return
+        # every batch must end before the buffers can be reused, even when one fails
+        results = await asyncio.gather(*futs, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+
+    async def write(self, jobs: Sequence[tuple[Extents, Any]]) -> None:
+        """Write each (extents, flat uint8 buffer): one batched request per slab."""
+        await self._run(jobs, True)
+        self.stats["bytes_in"] += sum(n for ext, _ in jobs for *_, n in ext)
+
+    async def read(self, jobs: Sequence[tuple[Extents, Any]]) -> None:
+        """Fill each flat uint8 buffer from its extents: one batched request per slab."""
+        await self._run(jobs, False)
+        self.stats["bytes_out"] += sum(n for ext, _ in jobs for *_, n in ext)
+
+    async def fsync(self) -> None:
+        await asyncio.gather(*(s.file.fdatasync() for s in self.slabs))
+
+    def close(self, remove: bool) -> None:
+        for s in self.slabs:
+            s.file.close()
+            if remove:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(s.path)

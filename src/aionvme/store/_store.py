@@ -1,0 +1,1083 @@
+"""TieredStore: tensors by key in GPU memory, host memory and NVMe slabs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .. import defaults
+from ..exceptions import DeviceError
+from ._alloc import round_up
+from ._errors import (
+    StoreClosedError,
+    StoreFullError,
+    StoreKeyError,
+    StoreKeyTypeError,
+    StoreTimeoutError,
+)
+from ._journal import Journal, load_index
+from ._memtier import GpuTier, HostTier, MemTier
+from ._nvme import Extents, NvmeTier
+from ._policy import Admission, EvictionPolicy, make_admission, make_policy
+from ._values import Meta, check_out, describe, flat_bytes, is_cuda, result_like, view_as
+
+__all__ = ["TieredStore"]
+
+BASENAME = "aionvme-store"
+
+
+class Entry:
+    """One version of one key. Its bytes never change: a put makes a new Entry
+    and retires the old one, so every copy of an Entry (GPU, host, NVMe) holds
+    the same bytes and any of them may serve a read.
+
+    ``refs``/``gpu_refs``/``disk_refs`` count readers (and holders) of each copy
+    in flight: a copy is freed only when its count is zero, so a delete or an
+    eviction never lets memory or an extent be reused under a read.
+    """
+
+    __slots__ = (
+        "dead",
+        "disk",
+        "disk_refs",
+        "gpu",
+        "gpu_loading",
+        "gpu_refs",
+        "host",
+        "key",
+        "loading",
+        "meta",
+        "moving",
+        "refs",
+    )
+
+    def __init__(self, key: Hashable, meta: Meta) -> None:
+        self.key = key
+        self.meta = meta
+        self.host: int | None = None  # offset in the host arena
+        self.disk: Extents | None = None
+        self.gpu: Any = None  # a uint8 CUDA tensor
+        self.refs = 0
+        self.gpu_refs = 0
+        self.disk_refs = 0
+        self.loading: asyncio.Task[None] | None = None  # colder -> host
+        self.gpu_loading: asyncio.Task[None] | None = None  # colder -> GPU
+        self.moving = False  # host -> NVMe write in flight
+        self.dead = False  # replaced or deleted
+
+    @property
+    def nbytes(self) -> int:
+        return self.meta.nbytes
+
+
+def _as_torch(a: Any) -> Any:
+    import torch
+
+    return a if isinstance(a, torch.Tensor) else torch.from_numpy(a)
+
+
+def _copy_into(dst: Any, src: Any) -> None:
+    """dst[:] = src for flat uint8 numpy arrays / torch tensors (the GIL is released)."""
+    if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray):
+        np.copyto(dst, src)
+    else:
+        _as_torch(dst).copy_(_as_torch(src))
+
+
+def _sizes(value: int | str | None) -> int | None:
+    return None if value is None else defaults.parse_size(value)
+
+
+class TieredStore:
+    """A store of tensors by key over tiers: GPU memory (optional), host memory, NVMe.
+
+    Parameters
+    ----------
+    path : str or list of str
+        Directory (or directories, one per drive: values are striped over
+        them) for the NVMe tier's slab files.
+    host : int or str
+        Host tier capacity in bytes (``"8G"``). 0: no host tier.
+    gpu : int or str or None
+        GPU tier capacity; None (default) for none. Needs CUDA.
+    policy : {'lru', 'lfu', 's3fifo'} or callable
+        Eviction policy of the memory tiers, or a factory of
+        :class:`EvictionPolicy` objects (one per tier).
+    persist : bool
+        False (default): a scratch cache, its files removed by :meth:`close`.
+        True: every returned ``put`` is durable (data, then a journal
+        record, each fdatasynced) and reopening the same path, after a clean
+        close or a crash, gives back every key with its bytes. Keys must be str.
+    nvme : int or str or None
+        NVMe tier capacity, preallocated and split over the directories. None
+        (default): each slab grows by ``fallocate`` as needed until the disk is full.
+    admit : {'always', 'second-touch'} or Admission
+        Whether a read served from a colder tier copies the value into the
+        host (or GPU) tier: always (default), or only on a key's second miss.
+    timeout : float or None
+        Default seconds ``put``/``get``/``hold``/``evict`` wait for room in a
+        tier full of held values before raising :class:`StoreTimeoutError`.
+    stripe : int or str
+        Values at least this large are split over all the directories.
+
+    Notes
+    -----
+    Placement: ``put`` copies the value into the hottest tier its device
+    reaches (CUDA tensors into the GPU tier, CPU values into the host tier;
+    larger than the tier: straight to NVMe); what it pushes out moves one tier
+    colder. With ``persist=False`` the NVMe copy is written only on eviction
+    (write-back); with ``persist=True`` before ``put`` returns (write-through),
+    so evicting from host memory never writes again.
+
+    Ownership: ``get`` returns a new array or tensor the caller owns (a copy
+    from a memory tier, or read straight from NVMe into fresh page-aligned
+    memory). ``hold`` lends a view of the store's own memory, valid and
+    never evicted until the block exits; do not modify it.
+
+    Concurrency: every method is a coroutine for one event loop (the first
+    that uses the store). Puts and deletes of one key apply in call order;
+    a get sees a complete value, the one installed when it started or a
+    newer one. Use :class:`SyncTieredStore` from code without a loop.
+
+    Cancellation: a cancelled call returns only after the I/O and copies it
+    started have ended; a cancelled put leaves the key as it was.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        host: int | str = "1G",
+        gpu: int | str | None = None,
+        policy: str | Callable[[], EvictionPolicy] = "lru",
+        persist: bool = False,
+        *,
+        nvme: int | str | None = None,
+        admit: str | Admission | None = None,
+        timeout: float | None = None,
+        stripe: int | str = "4M",
+    ) -> None:
+        paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
+        if not paths:
+            raise ValueError("TieredStore needs at least one directory")
+        self.paths = [os.path.abspath(os.fspath(p)) for p in paths]
+        self.persist = bool(persist)
+        self.timeout = timeout
+        self.copy_threshold = 4 << 20  # bigger copies run on a thread (the loop never stalls long)
+        factory = make_policy(policy)
+        self.admission = make_admission(admit)
+        self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._index: dict[Hashable, Entry] = {}
+        self._klocks: dict[Hashable, list[Any]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.errors: list[BaseException] = []  # failures of prefetches nobody awaited
+        host_b = defaults.parse_size(host)
+        gpu_b = _sizes(gpu)
+        self._gpu: GpuTier | None = None
+        cuda = False
+        if gpu_b:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise DeviceError("gpu= needs CUDA, which is not available here (pass gpu=None)")
+            self._gpu = GpuTier(gpu_b, factory, "cuda")
+            cuda = True
+        else:
+            import sys
+
+            if "torch" in sys.modules:
+                import torch
+
+                cuda = bool(torch.cuda.is_available())
+        self._host = HostTier(host_b, factory, pinned=cuda and host_b > 0)
+        self._journal: Journal | None = None
+        entries: dict[str, list[Any]] = {}
+        if self.persist:
+            os.makedirs(self.paths[0], exist_ok=True)
+            snap = os.path.join(self.paths[0], f"{BASENAME}.index")
+            jpath = os.path.join(self.paths[0], f"{BASENAME}.journal")
+            gen, slabs, entries, valid = load_index(snap, jpath)
+            if slabs is not None and [os.path.dirname(s) for s in slabs] != self.paths:
+                from ._errors import JournalError
+
+                raise JournalError(
+                    f"the store in {self.paths[0]} was made with directories "
+                    f"{[os.path.dirname(s) for s in slabs]}, not {self.paths}"
+                )
+        self._nvme = NvmeTier(
+            self.paths, _sizes(nvme), persist=self.persist, stripe=defaults.parse_size(stripe)
+        )
+        if self.persist:
+            try:
+                for k, (m, x) in entries.items():
+                    e = Entry(k, Meta.from_json(m))
+                    ext = [tuple(int(v) for v in piece) for piece in x]
+                    if ext:
+                        self._nvme.reserve(ext)  # type: ignore[arg-type]
+                        e.disk = ext  # type: ignore[assignment]
+                    self._index[k] = e
+                self._journal = Journal(snap, jpath, gen, valid)
+                if slabs is None:
+                    self._journal.write_snapshot(self._slab_paths(), self._index_json())
+            except BaseException:
+                self._nvme.close(remove=False)
+                raise
+
+    # -- plumbing ---------------------------------------------------------------------
+
+    def _slab_paths(self) -> list[str]:
+        return [s.path for s in self._nvme.slabs]
+
+    def _index_json(self) -> dict[str, list[Any]]:
+        return {str(k): [e.meta.to_json(), e.disk or []] for k, e in self._index.items()}
+
+    def _enter(self) -> asyncio.AbstractEventLoop:
+        if self._closed:
+            raise StoreClosedError("the store is closed")
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif self._loop is not loop:
+            raise StoreClosedError(
+                "this TieredStore belongs to another event loop (use one store per loop, "
+                "or SyncTieredStore from blocking code)"
+            )
+        return loop
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        t = self.timeout if timeout is None else timeout
+        return None if t is None else asyncio.get_running_loop().time() + t
+
+    def _lookup(self, key: Hashable) -> Entry:
+        e = self._index.get(key)
+        if e is None:
+            self._nvme.stats["misses"] += 1
+            raise StoreKeyError(key)
+        return e
+
+    @contextlib.asynccontextmanager
+    async def _writer(self, key: Hashable) -> AsyncIterator[None]:
+        """Puts and deletes of one key run one at a time, in call order (asyncio.Lock is FIFO)."""
+        slot = self._klocks.get(key)
+        if slot is None:
+            slot = self._klocks[key] = [asyncio.Lock(), 0]
+        slot[1] += 1
+        try:
+            async with slot[0]:
+                yield
+        finally:
+            slot[1] -= 1
+            if slot[1] == 0:
+                del self._klocks[key]
+
+    async def _copy(self, dst: Any, src: Any) -> None:
+        """dst[:] = src; large copies on a thread, awaited to the end even if cancelled."""
+        if len(dst) < self.copy_threshold or is_cuda(dst) or is_cuda(src):
+            _copy_into(dst, src)
+            return
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(None, _copy_into, dst, src)
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            await fut  # the thread still writes into dst: wait before anyone reuses it
+            raise
+
+    # -- copies: release ----------------------------------------------------------------
+
+    def _unref_host(self, e: Entry) -> None:
+        e.refs -= 1
+        if e.refs == 0:
+            if e.dead and e.host is not None:
+                self._host.free(e.host, e.nbytes)
+                e.host = None
+            else:
+                self._host.notify()
+
+    def _unref_gpu(self, e: Entry) -> None:
+        e.gpu_refs -= 1
+        if e.gpu_refs == 0 and self._gpu is not None:
+            if e.dead and e.gpu is not None:
+                self._gpu.free(e.gpu, e.nbytes)
+                e.gpu = None
+            else:
+                self._gpu.notify()
+
+    def _unref_disk(self, e: Entry) -> None:
+        e.disk_refs -= 1
+        if e.disk_refs == 0 and e.dead and e.disk is not None and not e.moving:
+            self._nvme.free(e.disk)
+            e.disk = None
+
+    def _retire(self, e: Entry) -> None:
+        """The entry was replaced or deleted: free each copy now, or when its last reader ends."""
+        e.dead = True
+        self._host.discard(e)
+        if self._gpu is not None:
+            self._gpu.discard(e)
+        if e.host is not None and e.refs == 0 and not e.moving:
+            self._host.free(e.host, e.nbytes)
+            e.host = None
+        if e.gpu is not None and e.gpu_refs == 0 and self._gpu is not None:
+            self._gpu.free(e.gpu, e.nbytes)
+            e.gpu = None
+        if e.disk is not None and e.disk_refs == 0 and not e.moving:
+            self._nvme.free(e.disk)
+            e.disk = None
+
+    def _drop_host(self, e: Entry) -> None:
+        """Evict a live entry's host copy (it has another copy)."""
+        if e.host is None:
+            return
+        self._host.discard(e)
+        self._host.free(e.host, e.nbytes)
+        e.host = None
+        self._host.stats["evictions"] += 1
+        self._host.stats["bytes_out"] += e.nbytes
+
+    def _drop_gpu(self, e: Entry) -> None:
+        if e.gpu is None or self._gpu is None:
+            return
+        self._gpu.discard(e)
+        self._gpu.free(e.gpu, e.nbytes)
+        e.gpu = None
+        self._gpu.stats["evictions"] += 1
+        self._gpu.stats["bytes_out"] += e.nbytes
+
+    # -- making room ---------------------------------------------------------------------
+
+    def _evictable(self, tier: MemTier, e: Entry) -> bool:
+        if tier is self._host:
+            return e.refs == 0 and not e.moving and e.loading is None and e.host is not None
+        return e.gpu_refs == 0 and e.gpu_loading is None and e.gpu is not None
+
+    async def _make_room(
+        self, tier: MemTier, nbytes: int, deadline: float | None, what: str, wait: bool = True
+    ) -> Any:
+        """Allocate nbytes in a memory tier, evicting colder as needed; waits
+        (FIFO among callers) while everything evictable is held or in flight."""
+        got = tier.try_alloc(nbytes)  # type: ignore[attr-defined]
+        if got is not None and not tier.lock.locked():
+            return got
+        if got is not None:
+            tier.free(got, nbytes)  # type: ignore[attr-defined]
+        async with tier.lock:
+            while True:
+                got = tier.try_alloc(nbytes)  # type: ignore[attr-defined]
+                if got is not None:
+                    return got
+                short = nbytes - (tier.capacity - tier.used)
+                victims: list[Entry] = []
+                freed = 0
+                for cand in tier.policy.victims():
+                    e: Entry = cand  # type: ignore[assignment]
+                    if e not in tier.entries or not self._evictable(tier, e):
+                        continue
+                    victims.append(e)
+                    freed += round_up(e.nbytes)
+                    if freed >= max(short, 1) and len(victims) >= 1:
+                        break
+                if victims:
+                    if tier is self._host:
+                        await self._demote_host(victims)
+                    else:
+                        await self._demote_gpu(victims, deadline)
+                    continue
+                if not wait:
+                    raise StoreTimeoutError(f"no room in the {tier.name} tier for {what} without waiting")
+                await tier.wait_change(deadline, what)
+
+    async def _demote_host(self, victims: list[Entry]) -> None:
+        """Move host copies out: entries with another copy are dropped; the
+        others are written to NVMe first (one batched write per slab)."""
+        dirty: list[Entry] = []
+        for e in victims:
+            if e.disk is not None or e.gpu is not None:
+                self._drop_host(e)
+            else:
+                dirty.append(e)
+        if not dirty:
+            return
+        for e in dirty:
+            e.moving = True
+            e.refs += 1
+        exts: list[Extents] = []
+        try:
+            for e in dirty:
+                exts.append(await self._nvme.allocate(e.nbytes))
+            jobs = [(x, self._host.view(e.host, e.nbytes, True)) for x, e in zip(exts, dirty)]  # type: ignore[arg-type]
+            await self._nvme.write(jobs)
+        except BaseException:
+            for x in exts:
+                self._nvme.free(x)
+            raise
+        finally:
+            for e in dirty:
+                e.moving = False
+        for x, e in zip(exts, dirty):
+            if e.dead:
+                self._nvme.free(x)
+            else:
+                e.disk = x
+        for e in dirty:
+            e.refs -= 1
+            if e.dead:
+                if e.refs == 0 and e.host is not None:
+                    self._host.free(e.host, e.nbytes)
+                    e.host = None
+            elif e.refs == 0:
+                self._drop_host(e)
+
+    async def _demote_gpu(self, victims: list[Entry], deadline: float | None) -> None:
+        for e in victims:
+            if e.host is not None or e.disk is not None:
+                self._drop_gpu(e)
+                continue
+            e.gpu_refs += 1
+            try:
+                if self._host.capacity >= e.nbytes and e.nbytes <= self._host.capacity:
+                    await self._load_host(e, deadline)
+                else:
+                    x = await self._nvme.allocate(e.nbytes)
+                    try:
+                        await self._nvme.write([(x, e.gpu[: e.nbytes])])
+                    except BaseException:
+                        self._nvme.free(x)
+                        raise
+                    if e.dead:
+                        self._nvme.free(x)
+                    else:
+                        e.disk = x
+            finally:
+                self._unref_gpu(e)
+            if not e.dead and e.gpu_refs == 0 and (e.host is not None or e.disk is not None):
+                self._drop_gpu(e)
+
+    # -- loading into the memory tiers ---------------------------------------------------
+
+    def _start_load(
+        self, e: Entry, deadline: float | None, gpu: bool = False, wait: bool = True
+    ) -> asyncio.Task[None]:
+        """The task that brings e into the host (or GPU) tier; one per entry and tier."""
+        t = e.gpu_loading if gpu else e.loading
+        if t is not None:
+            return t
+        coro = self._load_gpu(e, deadline, wait) if gpu else self._load_host(e, deadline, wait)
+        t = asyncio.get_running_loop().create_task(coro)
+        if gpu:
+            e.gpu_loading = t
+        else:
+            e.loading = t
+        self._tasks.add(t)
+
+        def done(task: asyncio.Task[None]) -> None:
+            self._tasks.discard(task)
+            if gpu:
+                if e.gpu_loading is task:
+                    e.gpu_loading = None
+            elif e.loading is task:
+                e.loading = None
+            if not task.cancelled() and task.exception() is not None and wait:
+                self.errors.append(task.exception())  # type: ignore[arg-type]
+                del self.errors[:-16]
+
+        t.add_done_callback(done)
+        return t
+
+    async def _load_host(self, e: Entry, deadline: float | None, wait: bool = True) -> None:
+        if e.host is not None or e.dead:
+            return
+        off = await self._make_room(self._host, e.nbytes, deadline, f"{e.key!r}", wait)
+        try:
+            dst = self._host.view(off, e.nbytes, True)
+            if e.host is not None or e.dead:
+                return
+            if e.gpu is not None:
+                e.gpu_refs += 1
+                try:
+                    _as_torch(dst[: e.nbytes]).copy_(e.gpu[: e.nbytes])
+                finally:
+                    self._unref_gpu(e)
+            elif e.disk is not None:
+                e.disk_refs += 1
+                try:
+                    await self._nvme.read([(e.disk, dst)])
+                finally:
+                    self._unref_disk(e)
+                self._nvme.stats["hits"] += 1
+            else:
+                return
+            if e.host is not None or e.dead:
+                return
+            e.host, off = off, -1
+            self._host.add(e)
+        finally:
+            if off >= 0:
+                self._host.free(off, e.nbytes)
+
+    async def _load_gpu(self, e: Entry, deadline: float | None, wait: bool = True) -> None:
+        gpu = self._gpu
+        if gpu is None or e.gpu is not None or e.dead:
+            return
+        t = await self._make_room(gpu, e.nbytes, deadline, f"{e.key!r}", wait)
+        try:
+            if e.gpu is not None or e.dead:
+                return
+            if e.host is not None:
+                e.refs += 1
+                try:
+                    t[: e.nbytes].copy_(_as_torch(self._host.view(e.host, e.nbytes)), non_blocking=False)
+                finally:
+                    self._unref_host(e)
+            elif e.disk is not None:
+                e.disk_refs += 1
+                try:
+                    await self._nvme.read([(e.disk, t)])
+                finally:
+                    self._unref_disk(e)
+                self._nvme.stats["hits"] += 1
+            else:
+                return
+            if e.gpu is not None or e.dead:
+                return
+            e.gpu, t = t, None
+            gpu.add(e)
+        finally:
+            if t is not None:
+                gpu.free(t, e.nbytes)
+
+    # -- put ------------------------------------------------------------------------------
+
+    async def put(self, key: Hashable, value: Any, *, timeout: float | None = None) -> None:
+        """Store a copy of ``value`` (numpy array or torch tensor) under ``key``.
+
+        Replaces what the key held. Waits for room while the tier it lands in
+        is full of held values (:class:`StoreTimeoutError` after ``timeout``).
+        With ``persist=True``, returns once the value and its index record are durable.
+
+        Raises
+        ------
+        StoreFullError
+            No room in the NVMe tier (an ``OSError`` with errno ENOSPC).
+        """
+        await self.put_many({key: value}, timeout=timeout)
+
+    async def put_many(self, items: Mapping[Hashable, Any], *, timeout: float | None = None) -> None:
+        """put each key and value; NVMe writes of the batch go as one request per slab."""
+        self._enter()
+        if self.persist:
+            for k in items:
+                if not isinstance(k, str):
+                    raise StoreKeyTypeError(f"a persistent store takes str keys, got {type(k).__name__}")
+        metas = {k: describe(v) for k, v in items.items()}
+        deadline = self._deadline(timeout)
+        async with contextlib.AsyncExitStack() as stack:
+            for k in items:
+                await stack.enter_async_context(self._writer(k))
+            new: list[Entry] = []
+            try:
+                bypass: list[tuple[Entry, Any]] = []
+                for k, v in items.items():
+                    e = Entry(k, metas[k])
+                    new.append(e)
+                    if e.nbytes == 0:
+                        continue
+                    src = flat_bytes(v)
+                    # Each new entry joins its tier as soon as its bytes are
+                    # there, so a batch larger than the tier evicts its own
+                    # first values (to NVMe) instead of waiting forever.
+                    if is_cuda(v) and self._gpu is not None and e.nbytes <= self._gpu.capacity:
+                        t = await self._make_room(self._gpu, e.nbytes, deadline, f"{k!r}")
+                        e.gpu = t
+                        t[: e.nbytes].copy_(src)
+                        self._gpu.add(e)
+                    elif 0 < e.nbytes <= self._host.capacity:
+                        off = await self._make_room(self._host, e.nbytes, deadline, f"{k!r}")
+                        e.host = off
+                        e.refs += 1  # not evictable while being filled
+                        try:
+                            if is_cuda(src):
+                                _as_torch(self._host.view(off, e.nbytes)).copy_(src)
+                            else:
+                                await self._copy(self._host.view(off, e.nbytes), src)
+                        finally:
+                            e.refs -= 1
+                        self._host.add(e)
+                    else:
+                        bypass.append((e, src))
+                # straight to NVMe: values no memory tier can take
+                for e, _src in bypass:
+                    e.disk = await self._nvme.allocate(e.nbytes)
+                if bypass:
+                    await self._nvme.write([(e.disk, src) for e, src in bypass])  # type: ignore[misc]
+                if self.persist:
+                    await self._write_through([e for e in new if e.nbytes and e.disk is None])
+                    if bypass or any(e.nbytes for e in new):
+                        await self._nvme.fsync()
+                    await self._journal_put(new)
+            except BaseException:
+                for e in new:
+                    self._retire(e)
+                raise
+            for e in new:
+                old = self._index.get(e.key)
+                self._index[e.key] = e
+                if old is not None:
+                    self._retire(old)
+
+    async def _write_through(self, entries: list[Entry]) -> None:
+        """persist=True: the NVMe copy of new entries (they stay in memory, clean)."""
+        if not entries:
+            return
+        for e in entries:
+            e.disk = await self._nvme.allocate(e.nbytes)
+        jobs = []
+        for e in entries:
+            if e.host is not None:
+                jobs.append((e.disk, self._host.view(e.host, e.nbytes, True)))
+            else:
+                jobs.append((e.disk, e.gpu[: round_up(e.nbytes)]))
+        await self._nvme.write(jobs)  # type: ignore[arg-type]
+
+    async def _journal_put(self, entries: list[Entry]) -> None:
+        if self._journal is None:
+            return
+        await self._journal.append(
+            [{"op": "put", "k": e.key, "m": e.meta.to_json(), "x": e.disk or []} for e in entries]
+        )
+        self._maybe_snapshot()
+
+    def _maybe_snapshot(self) -> None:
+        j = self._journal
+        if j is not None and (j.records > 100_000 or j.nbytes > (64 << 20)):
+            j.write_snapshot(self._slab_paths(), self._index_json())
+
+    # -- get ------------------------------------------------------------------------------
+
+    async def get(
+        self, key: Hashable, device: str = "cpu", *, out: Any = None, timeout: float | None = None
+    ) -> Any:
+        """A new array or tensor with the bytes, dtype and shape that were put.
+
+        Parameters
+        ----------
+        device : str
+            'cpu', or 'cuda[:N]' for a torch value.
+        out : array or tensor, optional
+            Fill this (same number of bytes, contiguous) instead of allocating.
+
+        Raises
+        ------
+        StoreKeyError
+            The key is not in the store (a ``KeyError``).
+
+        Notes
+        -----
+        A hit in a memory tier is a copy; a miss reads from NVMe straight into
+        the result (page-aligned) and, if the admission policy agrees, also
+        into the host tier (promotion). A get waits for a prefetch of the key
+        in flight. The result never aliases the store's memory.
+        """
+        self._enter()
+        e = self._lookup(key)
+        return await self._get_entry(e, str(device), out, self._deadline(timeout))
+
+    async def _get_entry(self, e: Entry, device: str, out: Any, deadline: float | None) -> Any:
+        meta = e.meta
+        cuda = device.startswith("cuda")
+        if out is not None:
+            raw = check_out(out, meta)
+            value = out
+            cuda = is_cuda(out)
+        else:
+            value, raw = result_like(meta, device, aligned=True, nbytes=round_up(meta.nbytes))
+        if meta.nbytes == 0:
+            return value
+        # a hit: the copy in the tier asked for was there, or on its way (a
+        # prefetch), when the get began
+        if cuda and self._gpu is not None:
+            hit = e.gpu is not None or e.gpu_loading is not None
+            self._gpu.stats["hits" if hit else "misses"] += 1
+        elif not cuda:
+            hit = e.host is not None or e.loading is not None
+            self._host.stats["hits" if hit else "misses"] += 1
+        direct = cuda_direct = False
+        for _ in range(8):
+            if (
+                cuda
+                and self._gpu is not None
+                and e.gpu is None
+                and e.gpu_loading is None
+                and not cuda_direct
+                and e.nbytes <= self._gpu.capacity
+                and self.admission.admit(e.key, e.nbytes)
+            ):
+                self._start_load(e, deadline, gpu=True, wait=False)
+            if e.gpu is not None:
+                e.gpu_refs += 1
+                try:
+                    raw[: meta.nbytes].copy_(e.gpu[: meta.nbytes])
+                finally:
+                    self._unref_gpu(e)
+                self._gpu.touch(e)  # type: ignore[union-attr]
+                return value
+            if cuda and e.gpu_loading is not None and not cuda_direct:
+                if not await self._await_load(e.gpu_loading):
+                    cuda_direct = True
+                continue
+            if (
+                e.host is None
+                and e.loading is None
+                and e.disk is not None
+                and not cuda
+                and not direct
+                and 0 < e.nbytes <= self._host.capacity
+                and self.admission.admit(e.key, e.nbytes)
+            ):
+                self._start_load(e, deadline, wait=False)
+            if e.loading is not None and e.host is None and not direct:
+                if not await self._await_load(e.loading):
+                    direct = True  # no room to promote: read straight into the result
+                continue
+            if e.host is not None:
+                e.refs += 1
+                try:
+                    src = self._host.view(e.host, meta.nbytes)
+                    if cuda:
+                        _as_torch(raw[: meta.nbytes]).copy_(_as_torch(src))
+                    else:
+                        await self._copy(raw[: meta.nbytes], src)
+                finally:
+                    self._unref_host(e)
+                self._host.stats["bytes_out"] += meta.nbytes
+                self._host.touch(e)
+                return value
+            if e.disk is not None:
+                e.disk_refs += 1
+                try:
+                    whole = len(raw) >= round_up(meta.nbytes)
+                    await self._nvme.read([(e.disk, raw if whole else raw[: meta.nbytes])])
+                finally:
+                    self._unref_disk(e)
+                self._nvme.stats["hits"] += 1
+                return value
+            break
+        # every copy went away under us: the key was deleted or replaced
+        cur = self._index.get(e.key)
+        if cur is None:
+            raise StoreKeyError(e.key)
+        return await self._get_entry(cur, device, out, deadline)
+
+    async def _await_load(self, task: asyncio.Task[None]) -> bool:
+        """Wait for a load; False if it found no room (the caller reads directly instead)."""
+        try:
+            await asyncio.shield(task)
+        except (StoreFullError, StoreTimeoutError):
+            return False
+        return True
+
+    async def get_many(
+        self, keys: Iterable[Hashable], device: str = "cpu", *, timeout: float | None = None
+    ) -> list[Any]:
+        """get of each key, in order; values only on NVMe are read in one request per slab."""
+        self._enter()
+        ks = list(keys)
+        entries = [self._lookup(k) for k in ks]
+        deadline = self._deadline(timeout)
+        out: list[Any] = [None] * len(ks)
+        cold: list[tuple[int, Entry, Any, Any]] = []
+        warm: list[int] = []
+        for i, e in enumerate(entries):
+            if (
+                str(device) == "cpu"
+                and e.host is None
+                and e.loading is None
+                and e.gpu is None
+                and e.disk is not None
+                and not (0 < e.nbytes <= self._host.capacity and self.admission.admit(e.key, e.nbytes))
+            ):
+                value, raw = result_like(e.meta, "cpu", aligned=True, nbytes=round_up(e.nbytes))
+                cold.append((i, e, value, raw))
+            else:
+                warm.append(i)
+        for _, e, _, _ in cold:
+            e.disk_refs += 1
+        try:
+            if cold:
+                await self._nvme.read([(e.disk, raw) for _, e, _, raw in cold])  # type: ignore[misc]
+        finally:
+            for _, e, _, _ in cold:
+                self._unref_disk(e)
+        for i, _, value, _ in cold:
+            out[i] = value
+        self._host.stats["misses"] += len(cold)
+        self._nvme.stats["hits"] += len(cold)
+        if warm:
+            got = await asyncio.gather(
+                *(self._get_entry(entries[i], str(device), None, deadline) for i in warm)
+            )
+            for i, v in zip(warm, got):
+                out[i] = v
+        return out
+
+    # -- prefetch / hold / evict / delete --------------------------------------------------
+
+    async def prefetch(
+        self, keys: Iterable[Hashable], to: str = "host", *, timeout: float | None = None
+    ) -> None:
+        """Start moving keys into the host (or 'gpu') tier and return at once.
+
+        A ``get`` or ``hold`` of a key in flight waits for it. Missing keys
+        raise StoreKeyError before anything starts. Failures of a prefetch
+        nobody waited for are kept in ``store.errors``.
+        """
+        self._enter()
+        if to not in ("host", "cpu", "gpu", "cuda"):
+            raise ValueError(f"to must be 'host' or 'gpu', got {to!r}")
+        gpu = to in ("gpu", "cuda")
+        if gpu and self._gpu is None:
+            raise DeviceError("prefetch to the GPU tier of a store without one (gpu=None)")
+        entries = [self._lookup(k) for k in keys]
+        deadline = self._deadline(timeout)
+        for e in entries:
+            if e.nbytes == 0:
+                continue
+            if gpu:
+                if e.gpu is None and e.nbytes <= self._gpu.capacity:  # type: ignore[union-attr]
+                    self._start_load(e, deadline, gpu=True)
+            elif e.host is None and 0 < e.nbytes <= self._host.capacity:
+                self._start_load(e, deadline)
+
+    def hold(self, key: Hashable, device: str = "cpu", *, timeout: float | None = None) -> _Hold:
+        """``async with store.hold(key) as t``: ``t`` views the value in the
+        host (or GPU, device='cuda') tier, which cannot be evicted until the
+        block exits. No copy is made; do not modify ``t``.
+
+        Waits for room as ``get`` does; a value larger than the tier raises StoreFullError.
+        """
+        return _Hold(self, key, str(device), timeout)
+
+    async def evict(self, key: Hashable, to: str = "nvme", *, timeout: float | None = None) -> None:
+        """Move a key's value colder: to='nvme' leaves only the NVMe copy,
+        to='host' drops the GPU copy (keeping a host one). Waits while it is held."""
+        self._enter()
+        if to not in ("nvme", "host"):
+            raise ValueError(f"to must be 'nvme' or 'host', got {to!r}")
+        e = self._lookup(key)
+        deadline = self._deadline(timeout)
+        if e.nbytes == 0:
+            return
+        if to == "host" or e.gpu is not None:
+            while e.gpu is not None and not e.dead:
+                if e.gpu_refs == 0 and e.gpu_loading is None:
+                    if to == "host" and e.host is None and e.disk is None and self._host.capacity >= e.nbytes:
+                        await self._load_host(e, deadline)
+                    if e.host is None and e.disk is None:
+                        x = await self._nvme.allocate(e.nbytes)
+                        await self._nvme.write([(x, e.gpu[: e.nbytes])])
+                        if e.dead:
+                            self._nvme.free(x)
+                        else:
+                            e.disk = x
+                    if e.gpu_refs == 0:
+                        self._drop_gpu(e)
+                    continue
+                if self._gpu is not None:
+                    await self._gpu.wait_change(deadline, f"evicting {key!r}")
+        if to == "nvme":
+            while e.host is not None and not e.dead:
+                if e.refs == 0 and not e.moving and e.loading is None:
+                    async with self._host.lock:
+                        if e.host is not None and self._evictable(self._host, e):
+                            await self._demote_host([e])
+                    continue
+                if e.loading is not None:
+                    await asyncio.shield(e.loading)
+                    continue
+                await self._host.wait_change(deadline, f"evicting {key!r}")
+
+    async def delete(self, key: Hashable) -> None:
+        """Remove a key (StoreKeyError if absent). Reads in flight finish with
+        the old bytes; its memory and extents are reused only after them."""
+        self._enter()
+        async with self._writer(key):
+            e = self._lookup(key)
+            if self._journal is not None:
+                await self._journal.append([{"op": "del", "k": key}])
+                self._maybe_snapshot()
+            if self._index.get(key) is e:
+                del self._index[key]
+                self._retire(e)
+            self.admission.forget(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._index
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def keys(self) -> list[Hashable]:
+        """The keys, in insertion order."""
+        return list(self._index)
+
+    def where(self, key: Hashable) -> list[str]:
+        """The tiers holding a copy of key right now ('gpu', 'host', 'nvme')."""
+        e = self._index.get(key)
+        if e is None:
+            raise StoreKeyError(key)
+        tiers = []
+        if e.gpu is not None:
+            tiers.append("gpu")
+        if e.host is not None:
+            tiers.append("host")
+        if e.disk is not None:
+            tiers.append("nvme")
+        return tiers
+
+    # -- stats / close --------------------------------------------------------------------
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per tier: ``used``/``capacity`` (bytes), ``entries``, ``hits``,
+        ``misses``, ``bytes_in``/``bytes_out``, ``evictions``, ``wait_s``
+        (time spent waiting for room). For 'nvme', ``capacity`` is the slabs'
+        current size, ``free_extents`` and ``fragmentation`` describe its free space.
+        """
+        out: dict[str, dict[str, Any]] = {}
+        if self._gpu is not None:
+            out["gpu"] = {
+                "used": self._gpu.used,
+                "capacity": self._gpu.capacity,
+                "entries": len(self._gpu.entries),
+                **self._gpu.stats,
+            }
+        out["host"] = {
+            "used": self._host.used,
+            "capacity": self._host.capacity,
+            "entries": len(self._host.entries),
+            "pinned": self._host.pinned,
+            **self._host.stats,
+        }
+        nv = self._nvme
+        out["nvme"] = {
+            "used": nv.used,
+            "capacity": nv.capacity,
+            "entries": sum(1 for e in self._index.values() if e.disk is not None),
+            "slabs": [s.path for s in nv.slabs],
+            "free_extents": sum(len(s.alloc.extents()) for s in nv.slabs),
+            "fragmentation": max((s.alloc.fragmentation() for s in nv.slabs), default=0.0),
+            **nv.stats,
+        }
+        return out
+
+    async def close(self) -> None:
+        """Wait for prefetches in flight, write the index (persist=True), close
+        the slab files; a scratch store (persist=False) removes them."""
+        if self._closed:
+            return
+        if self._loop is not None and self._loop is not asyncio.get_running_loop():
+            raise StoreClosedError("close() must run on the store's event loop")
+        self._closed = True
+        tasks = list(self._tasks)
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            if self._journal is not None and self._journal.broken is None:
+                await asyncio.get_running_loop().run_in_executor(
+                    None, self._journal.write_snapshot, self._slab_paths(), self._index_json()
+                )
+        finally:
+            if self._journal is not None:
+                self._journal.close()
+            self._nvme.close(remove=not self.persist)
+
+    def close_sync(self) -> None:
+        """close() for code without a running loop (no prefetch may be in flight)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._journal is not None and self._journal.broken is None:
+                self._journal.write_snapshot(self._slab_paths(), self._index_json())
+        finally:
+            if self._journal is not None:
+                self._journal.close()
+            self._nvme.close(remove=not self.persist)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def __aenter__(self) -> TieredStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"<aionvme.TieredStore {self.paths} keys={len(self._index)} host={self._host.used}/"
+            f"{self._host.capacity} nvme={self._nvme.used}/{self._nvme.capacity}"
+            f"{' persist' if self.persist else ''}{' closed' if self._closed else ''}>"
+        )
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter(list(self._index))
+
+
+class _Hold:
+    """The async context manager of :meth:`TieredStore.hold`."""
+
+    def __init__(self, store: TieredStore, key: Hashable, device: str, timeout: float | None) -> None:
+        self.store = store
+        self.key = key
+        self.device = device
+        self.timeout = timeout
+        self._entry: Entry | None = None
+        self._gpu = device.startswith("cuda")
+
+    async def __aenter__(self) -> Any:
+        s = self.store
+        s._enter()
+        deadline = s._deadline(self.timeout)
+        while True:
+            e = s._lookup(self.key)
+            if e.nbytes == 0:
+                self._entry = None
+                return result_like(e.meta, self.device, aligned=False)[0]
+            if self._gpu:
+                if s._gpu is None:
+                    raise DeviceError("hold(device='cuda') on a store without a GPU tier (gpu=None)")
+                if e.nbytes > s._gpu.capacity:
+                    raise StoreFullError(f"{self.key!r} ({e.nbytes} bytes) is larger than the GPU tier")
+                if e.gpu is None:
+                    await asyncio.shield(s._start_load(e, deadline, gpu=True))
+                if e.gpu is not None and not e.dead:
+                    e.gpu_refs += 1
+                    self._entry = e
+                    s._gpu.stats["hits"] += 1
+                    return view_as(e.gpu, e.meta)
+                continue
+            if e.nbytes > s._host.capacity:
+                raise StoreFullError(f"{self.key!r} ({e.nbytes} bytes) is larger than the host tier")
+            if e.host is None:
+                await asyncio.shield(s._start_load(e, deadline))
+            if e.host is not None and not e.dead:
+                e.refs += 1
+                self._entry = e
+                s._host.stats["hits"] += 1
+                s._host.touch(e)
+                return view_as(s._host.view(e.host, e.nbytes), e.meta)
+
+    async def __aexit__(self, *exc: object) -> None:
+        e, self._entry = self._entry, None
+        if e is None:
+            return
+        if self._gpu:
+            self.store._unref_gpu(e)
+        else:
+            self.store._unref_host(e)

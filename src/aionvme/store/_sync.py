@@ -1,0 +1,114 @@
+"""SyncTieredStore: the TieredStore for code without an event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Coroutine, Hashable, Iterable, Iterator, Mapping
+from typing import Any, TypeVar
+
+from ._store import TieredStore
+
+__all__ = ["SyncTieredStore"]
+
+T = TypeVar("T")
+
+
+class SyncTieredStore:
+    """A :class:`TieredStore` with blocking methods: it lives on a private
+    event loop in a daemon thread, and each call waits for its result.
+
+    Takes TieredStore's arguments. Methods: ``put``, ``get``, ``put_many``,
+    ``get_many``, ``prefetch``, ``evict``, ``delete``, ``hold`` (a plain
+    ``with``), ``stats``, ``keys``, ``where``, ``in``, ``len``, ``close`` (or
+    ``with``). Safe to call from several threads at once. ``store.aio`` is the
+    TieredStore itself, for coroutines run on ``store.loop``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.aio = TieredStore(*args, **kwargs)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="aionvme-store", daemon=True)
+        self._thread.start()
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self.loop.is_closed():
+            coro.close()
+            from ._errors import StoreClosedError
+
+            raise StoreClosedError("the store is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def put(self, key: Hashable, value: Any, *, timeout: float | None = None) -> None:
+        self._run(self.aio.put(key, value, timeout=timeout))
+
+    def put_many(self, items: Mapping[Hashable, Any], *, timeout: float | None = None) -> None:
+        self._run(self.aio.put_many(items, timeout=timeout))
+
+    def get(
+        self, key: Hashable, device: str = "cpu", *, out: Any = None, timeout: float | None = None
+    ) -> Any:
+        return self._run(self.aio.get(key, device, out=out, timeout=timeout))
+
+    def get_many(
+        self, keys: Iterable[Hashable], device: str = "cpu", *, timeout: float | None = None
+    ) -> list[Any]:
+        return self._run(self.aio.get_many(list(keys), device, timeout=timeout))
+
+    def prefetch(self, keys: Iterable[Hashable], to: str = "host", *, timeout: float | None = None) -> None:
+        self._run(self.aio.prefetch(list(keys), to, timeout=timeout))
+
+    def evict(self, key: Hashable, to: str = "nvme", *, timeout: float | None = None) -> None:
+        self._run(self.aio.evict(key, to, timeout=timeout))
+
+    def delete(self, key: Hashable) -> None:
+        self._run(self.aio.delete(key))
+
+    @contextlib.contextmanager
+    def hold(self, key: Hashable, device: str = "cpu", *, timeout: float | None = None) -> Iterator[Any]:
+        h = self.aio.hold(key, device, timeout=timeout)
+        t = self._run(h.__aenter__())
+        try:
+            yield t
+        finally:
+            self._run(h.__aexit__(None, None, None))
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        return self._run(_call(self.aio.stats))
+
+    def keys(self) -> list[Hashable]:
+        return self._run(_call(self.aio.keys))
+
+    def where(self, key: Hashable) -> list[str]:
+        return self._run(_call(self.aio.where, key))
+
+    def __contains__(self, key: object) -> bool:
+        return bool(self._run(_call(self.aio.__contains__, key)))
+
+    def __len__(self) -> int:
+        return int(self._run(_call(self.aio.__len__)))
+
+    def close(self) -> None:
+        """Close the store, then stop the private loop and its thread."""
+        if self.loop.is_closed():
+            return
+        try:
+            self._run(self.aio.close())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join()
+            self.loop.close()
+
+    def __enter__(self) -> SyncTieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return repr(self.aio).replace("TieredStore", "SyncTieredStore", 1)
+
+
+async def _call(fn: Any, *args: Any) -> Any:
+    return fn(*args)

@@ -1,0 +1,140 @@
+"""What a stored value is (numpy array or torch tensor: dtype, shape, device)
+and how its bytes are seen: flat uint8 views, fresh results, views of store memory."""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import memory
+from ..exceptions import BufferTypeError, DeviceError, NonContiguousBufferError
+
+__all__ = ["Meta", "describe", "flat_bytes", "is_cuda", "result_like", "view_as"]
+
+
+@dataclass(frozen=True)
+class Meta:
+    """``kind`` 'numpy' or 'torch'; ``dtype`` its name ('float32', 'bfloat16');
+    ``shape``; ``nbytes``."""
+
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+    def to_json(self) -> list[Any]:
+        return [self.kind, self.dtype, list(self.shape), self.nbytes]
+
+    @classmethod
+    def from_json(cls, v: list[Any]) -> Meta:
+        return cls(str(v[0]), str(v[1]), tuple(int(d) for d in v[2]), int(v[3]))
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def _is_tensor(v: object) -> bool:
+    return "torch" in sys.modules and isinstance(v, _torch().Tensor)
+
+
+def is_cuda(v: object) -> bool:
+    return _is_tensor(v) and v.device.type == "cuda"  # type: ignore[attr-defined]
+
+
+def describe(value: Any) -> Meta:
+    """The Meta of a value the store accepts; BufferTypeError for anything else."""
+    if isinstance(value, np.ndarray):
+        if value.dtype.hasobject:
+            raise BufferTypeError("object arrays cannot be stored (no fixed bytes)")
+        return Meta("numpy", value.dtype.str, tuple(value.shape), int(value.nbytes))
+    if _is_tensor(value):
+        t = value
+        if t.is_sparse or t.layout != _torch().strided:
+            raise BufferTypeError(f"only strided (dense) tensors can be stored, got {t.layout}")
+        name = str(t.dtype).removeprefix("torch.")
+        return Meta("torch", name, tuple(t.shape), int(t.numel() * t.element_size()))
+    raise BufferTypeError(
+        "TieredStore stores numpy arrays and torch tensors, "
+        f"got {type(value).__module__}.{type(value).__name__}"
+    )
+
+
+def flat_bytes(value: Any) -> Any:
+    """A contiguous 1-D uint8 view of the value's bytes (a copy only if it is not contiguous)."""
+    if isinstance(value, np.ndarray):
+        a = np.ascontiguousarray(value)
+        return a.reshape(-1).view(np.uint8)
+    t = value.contiguous().reshape(-1)
+    return t.view(_torch().uint8)
+
+
+def torch_dtype(name: str) -> Any:
+    torch = _torch()
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise BufferTypeError(f"unknown torch dtype {name!r}")
+    return dt
+
+
+def view_as(raw: Any, meta: Meta) -> Any:
+    """The value of ``meta`` viewing the first nbytes of ``raw`` (a 1-D uint8
+    numpy array or torch tensor): no copy."""
+    if meta.kind == "numpy":
+        a = raw if isinstance(raw, np.ndarray) else raw.numpy()
+        return a[: meta.nbytes].view(np.dtype(meta.dtype)).reshape(meta.shape)
+    torch = _torch()
+    t = raw if _is_tensor(raw) else torch.from_numpy(raw)
+    t = t[: meta.nbytes]
+    if meta.nbytes == 0:
+        return torch.empty(meta.shape, dtype=torch_dtype(meta.dtype), device=t.device)
+    return t.view(torch_dtype(meta.dtype)).reshape(meta.shape)
+
+
+def result_like(meta: Meta, device: str, aligned: bool, nbytes: int | None = None) -> tuple[Any, Any]:
+    """(value, raw) for a fresh result: ``raw`` a 1-D uint8 buffer of at least
+    ``nbytes`` (default meta.nbytes) bytes, ``value`` the meta-shaped view of it.
+    ``aligned``: page-aligned host memory (O_DIRECT reads land in it directly)."""
+    n = meta.nbytes if nbytes is None else nbytes
+    dev = str(device)
+    if meta.kind == "numpy":
+        if dev != "cpu":
+            raise DeviceError(f"a numpy value can only be returned on 'cpu', not {device!r}")
+        raw = memory.empty(n, "uint8") if aligned else np.empty(n, np.uint8)
+        return view_as(raw, meta), raw
+    torch = _torch()
+    if dev.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise DeviceError(f"device={device!r} but CUDA is not available")
+        raw = torch.empty(n, dtype=torch.uint8, device=dev)
+    elif dev == "cpu":
+        raw = memory.empty(n, "uint8", like="torch") if aligned else torch.empty(n, dtype=torch.uint8)
+    else:
+        raise DeviceError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+    return view_as(raw, meta), raw
+
+
+def check_out(out: Any, meta: Meta) -> Any:
+    """The flat uint8 view of a caller's ``out`` buffer, after checking it fits."""
+    m = describe(out)
+    if m.nbytes != meta.nbytes:
+        raise ValueError(f"out has {m.nbytes} bytes, the value {meta.nbytes}")
+    if isinstance(out, np.ndarray):
+        if not out.flags.c_contiguous:
+            raise NonContiguousBufferError("out must be C-contiguous")
+        if not out.flags.writeable:
+            raise BufferTypeError("out is read-only")
+        return out.reshape(-1).view(np.uint8)
+    if not out.is_contiguous():
+        raise NonContiguousBufferError("out must be contiguous")
+    return out.reshape(-1).view(_torch().uint8)
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)

@@ -1,0 +1,391 @@
+"""TieredStore: the core API on real slab files (ext4 under tmp_path)."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import aionvme as nvme
+from aionvme.exceptions import AionvmeError, BufferTypeError, DeviceError
+from aionvme.store import (
+    StoreClosedError,
+    StoreFullError,
+    StoreKeyError,
+    StoreTimeoutError,
+    SyncTieredStore,
+    TieredStore,
+)
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+
+def rand(n: int, seed: int = 0, dtype: str = "float32") -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(n).astype(dtype)
+
+
+def slab_files(d) -> list[str]:
+    return sorted(p for p in os.listdir(d) if p.endswith(".slab"))
+
+
+async def test_put_get_roundtrip_numpy_and_torch_every_dtype(tmp_path):
+    values = {
+        "f32": rand(1000),
+        "f16_2d": rand(777, 1, "float16").reshape(7, 111),
+        "i64_3d": np.arange(2 * 3 * 5, dtype=np.int64).reshape(2, 3, 5),
+        "bool": np.array([True, False, True]),
+        "scalar": np.array(3.5),
+        "empty": np.zeros((0, 4), np.float32),
+        "noncontig": np.arange(100, dtype=np.int32)[::3],
+        "t_bf16": torch.randn(33, 65).to(torch.bfloat16),
+        "t_f32": torch.randn(5, 4, 3),
+        "t_u8": torch.randint(0, 255, (4097,), dtype=torch.uint8),
+        "t_empty": torch.empty(0, dtype=torch.float16),
+        "t_fp8": torch.randn(100).to(torch.float8_e4m3fn),
+        "t_transposed": torch.randn(20, 30).t(),
+    }
+    async with TieredStore(tmp_path, host="64K") as s:  # small: most values go through NVMe
+        for k, v in values.items():
+            await s.put(k, v)
+        assert len(s) == len(values) and all(k in s for k in values)
+        for _ in range(2):  # cold, then (some) promoted
+            for k, v in values.items():
+                got = await s.get(k)
+                assert type(got) is type(v), k
+                assert got.dtype == v.dtype and tuple(got.shape) == tuple(v.shape), k
+                if isinstance(v, np.ndarray):
+                    assert np.array_equal(got, v), k
+                else:
+                    assert torch.equal(got.view(torch.uint8), v.contiguous().view(torch.uint8)), k
+
+
+async def test_put_copies_get_owns(tmp_path):
+    a = rand(5000)
+    async with TieredStore(tmp_path, host="1M") as s:
+        await s.put("a", a)
+        a[:] = 0  # the store kept its own copy
+        got = await s.get("a")
+        assert np.array_equal(got, rand(5000))
+        got[:] = 7  # and the result is the caller's own
+        assert np.array_equal(await s.get("a"), rand(5000))
+
+
+async def test_eviction_to_nvme_lru_and_promotion(tmp_path):
+    n = 64 * KiB // 4  # 64 KiB values, host holds 4
+    async with TieredStore(tmp_path, host=4 * 64 * KiB) as s:
+        for i in range(6):
+            await s.put(i, rand(n, i))
+        st = s.stats()
+        assert st["host"]["entries"] == 4 and st["host"]["used"] <= st["host"]["capacity"]
+        assert s.where(0) == ["nvme"] and s.where(1) == ["nvme"]  # least recently used went first
+        assert s.where(5) == ["host"]
+        assert np.array_equal(await s.get(0), rand(n, 0))  # a miss: read from NVMe, promoted
+        assert "host" in s.where(0)
+        st = s.stats()
+        assert st["host"]["misses"] == 1 and st["nvme"]["hits"] == 1 and st["host"]["evictions"] >= 3
+        await s.get(3)  # touch 3: now 2 is the oldest resident
+        await s.put(9, rand(n, 9))
+        assert s.where(2) == ["nvme"] and "host" in s.where(3)
+        for i in [*range(6), 9]:
+            assert np.array_equal(await s.get(i), rand(n, i)), i
+
+
+async def test_missing_key_is_a_keyerror_and_an_aionvme_error(tmp_path):
+    async with TieredStore(tmp_path, host="1M") as s:
+        for call in (s.get("nope"), s.delete("nope"), s.evict("nope"), s.prefetch(["nope"])):
+            with pytest.raises(KeyError) as ei:
+                await call
+            assert isinstance(ei.value, StoreKeyError) and isinstance(ei.value, AionvmeError)
+        assert "nope" not in s
+        with pytest.raises(BufferTypeError):
+            await s.put("x", [1, 2, 3])
+        assert s.stats()["nvme"]["misses"] == 4
+
+
+async def test_delete_and_overwrite_free_space(tmp_path):
+    async with TieredStore(tmp_path, host="256K") as s:
+        for rnd in range(3):
+            for i in range(8):
+                await s.put(i, rand(16 * KiB, i + rnd))
+        st = s.stats()
+        assert st["host"]["used"] <= 256 * KiB
+        nvme_used = st["nvme"]["used"]
+        assert nvme_used <= 8 * 64 * KiB  # overwritten versions' extents were reused
+        for i in range(8):
+            assert np.array_equal(await s.get(i), rand(16 * KiB, i + 2))
+            await s.delete(i)
+        assert len(s) == 0
+        st = s.stats()
+        assert st["host"]["used"] == 0 and st["nvme"]["used"] == 0
+        assert st["nvme"]["free_extents"] == 1  # coalesced back into one
+
+
+async def test_hold_pins_and_backpressure_times_out(tmp_path):
+    n = 64 * KiB
+    async with TieredStore(tmp_path, host=2 * n) as s:
+        await s.put("a", np.full(n, 1, np.uint8))
+        await s.put("b", np.full(n, 2, np.uint8))
+        async with s.hold("a") as ha, s.hold("b") as hb:
+            assert ha[0] == 1 and hb[-1] == 2
+            # the tier is full of held values: a put waits, then gives up
+            with pytest.raises(StoreTimeoutError) as ei:
+                await s.put("c", np.full(n, 3, np.uint8), timeout=0.05)
+            assert isinstance(ei.value, TimeoutError)
+            assert "c" not in s and s.where("a") == ["host"]
+            # without a timeout it waits until a hold ends
+            task = asyncio.ensure_future(s.put("c", np.full(n, 3, np.uint8)))
+            await asyncio.sleep(0.02)
+            assert not task.done()
+        await asyncio.wait_for(task, 5)
+        assert s.stats()["host"]["wait_s"] > 0.04
+        for k, v in (("a", 1), ("b", 2), ("c", 3)):
+            assert (await s.get(k) == v).all()
+
+
+async def test_hold_loads_a_cold_value_and_evict_waits_for_the_holder(tmp_path):
+    async with TieredStore(tmp_path, host="1M") as s:
+        v = rand(10000)
+        await s.put("k", v)
+        await s.evict("k")
+        assert s.where("k") == ["nvme"]
+        async with s.hold("k") as h:
+            assert s.where("k") == ["host", "nvme"] and np.array_equal(h, v)
+            ev = asyncio.ensure_future(s.evict("k"))
+            await asyncio.sleep(0.01)
+            assert not ev.done() and "host" in s.where("k")
+        await asyncio.wait_for(ev, 5)
+        assert s.where("k") == ["nvme"]
+
+
+async def test_prefetch_starts_now_and_get_waits_for_it(tmp_path):
+    async with TieredStore(tmp_path, host="4M") as s:
+        await s.put_many({f"k{i}": rand(64 * KiB, i) for i in range(4)})
+        for i in range(4):
+            await s.evict(f"k{i}")
+        await s.prefetch(["k0", "k1"])
+        assert s._index["k0"].loading is not None  # in flight, not finished
+        got = await s.get("k0")
+        assert np.array_equal(got, rand(64 * KiB, 0))
+        await asyncio.sleep(0.05)
+        assert "host" in s.where("k1")
+        assert s.stats()["host"]["hits"] >= 1
+
+
+async def test_put_many_get_many(tmp_path):
+    vals = {f"w{i}": torch.randn(1000 + i) for i in range(10)}
+    async with TieredStore(tmp_path, host="16K", admit="second-touch") as s:
+        await s.put_many(vals)
+        got = await s.get_many(list(vals))
+        for (_k, v), g in zip(vals.items(), got):
+            assert torch.equal(v, g)
+        # second-touch admission: the first miss did not promote, the second does
+        assert s.where("w0") == ["nvme"]
+        await s.get("w0")
+        assert "host" in s.where("w0")
+
+
+async def test_policies_lfu_and_s3fifo(tmp_path):
+    n = 32 * KiB
+    for policy in ("lfu", "s3fifo"):
+        d = tmp_path / policy
+        async with TieredStore(d, host=3 * n, policy=policy) as s:
+            await s.put("hot", np.full(n, 1, np.uint8))
+            for _ in range(3):
+                await s.get("hot")
+            for i in range(6):  # a scan of one-hit keys
+                await s.put(f"scan{i}", np.full(n, i, np.uint8))
+            assert "host" in s.where("hot"), policy
+            for i in range(6):
+                assert (await s.get(f"scan{i}") == i).all()
+
+
+async def test_user_policy_object(tmp_path):
+    class NewestFirst:  # evicts the most recently inserted key
+        def __init__(self):
+            self.keys = []
+
+        def insert(self, key, nbytes):
+            self.keys.append(key)
+
+        def touch(self, key):
+            pass
+
+        def remove(self, key):
+            self.keys.remove(key)
+
+        def victims(self):
+            return iter(reversed(list(self.keys)))
+
+    n = 16 * KiB
+    async with TieredStore(tmp_path, host=2 * n, policy=NewestFirst) as s:
+        for i in range(3):
+            await s.put(i, np.full(n, i, np.uint8))
+        assert s.where(0) == ["host"] and s.where(1) == ["nvme"] and s.where(2) == ["host"]
+
+
+async def test_striping_over_two_directories(tmp_path):
+    d1, d2 = tmp_path / "a", tmp_path / "b"
+    v = rand(3 * MiB // 4 + 13)  # ~3 MiB, stripe threshold 1 MiB
+    async with TieredStore([d1, d2], host=0, stripe="1M") as s:
+        await s.put("v", v)
+        await s.put("small", rand(100))
+        ext = s._index["v"].disk
+        assert sorted({x[0] for x in ext}) == [0, 1]  # one piece per directory
+        assert np.array_equal(await s.get("v"), v)
+        assert np.array_equal(await s.get("small"), rand(100))
+        assert len(slab_files(d1)) == 1 and len(slab_files(d2)) == 1
+    assert slab_files(d1) == [] and slab_files(d2) == []  # scratch: removed on close
+
+
+async def test_full_nvme_tier_is_a_typed_enospc_and_the_store_stays_usable(tmp_path):
+    async with TieredStore(tmp_path, host=0, nvme="1M") as s:
+        await s.put("a", np.ones(600 * KiB, np.uint8))
+        with pytest.raises(StoreFullError) as ei:
+            await s.put("b", np.ones(600 * KiB, np.uint8))
+        assert isinstance(ei.value, OSError) and ei.value.errno == errno.ENOSPC
+        assert "b" not in s and (await s.get("a")).sum() == 600 * KiB
+        await s.delete("a")
+        await s.put("b", np.full(600 * KiB, 2, np.uint8))
+        assert (await s.get("b") == 2).all()
+
+
+async def test_eviction_into_a_full_nvme_tier_fails_the_put_only(tmp_path):
+    n = 256 * KiB
+    async with TieredStore(tmp_path, host=2 * n, nvme=n) as s:
+        await s.put("a", np.full(n, 1, np.uint8))
+        await s.put("b", np.full(n, 2, np.uint8))
+        await s.put("c", np.full(n, 3, np.uint8))  # a goes to NVMe, which is now full
+        with pytest.raises(StoreFullError):
+            await s.put("d", np.full(n, 4, np.uint8))  # would push b out: no room anywhere
+        assert "d" not in s
+        for k, v in (("a", 1), ("b", 2), ("c", 3)):
+            assert (await s.get(k) == v).all()
+
+
+async def test_get_into_out_and_device_errors(tmp_path):
+    async with TieredStore(tmp_path, host="1M") as s:
+        v = rand(1000)
+        await s.put("v", v)
+        out = np.empty(1000, np.float32)
+        assert await s.get("v", out=out) is out and np.array_equal(out, v)
+        await s.evict("v")
+        out2 = np.empty(1000, np.float32)
+        await s.get("v", out=out2)
+        assert np.array_equal(out2, v)
+        with pytest.raises(ValueError):
+            await s.get("v", out=np.empty(10, np.float32))
+        with pytest.raises(DeviceError):
+            await s.get("v", device="cuda")
+
+
+async def test_concurrent_gets_of_one_cold_key_read_once(tmp_path):
+    async with TieredStore(tmp_path, host="4M") as s:
+        v = rand(256 * KiB)
+        await s.put("v", v)
+        await s.evict("v")
+        got = await asyncio.gather(*(s.get("v") for _ in range(8)))
+        assert all(np.array_equal(g, v) for g in got)
+        assert s.stats()["nvme"]["hits"] == 1  # one load, the other gets waited for it
+
+
+async def test_delete_while_a_read_is_in_flight_keeps_the_extent(tmp_path):
+    async with TieredStore(tmp_path, host=0) as s:
+        v = rand(2 * MiB // 4, 1)
+        await s.put("v", v)
+        reads = [asyncio.ensure_future(s.get("v")) for _ in range(4)]
+        await asyncio.sleep(0)  # the reads are submitted
+        await s.delete("v")
+        await s.put("w", rand(2 * MiB // 4, 2))  # must not land on v's extent while it is read
+        for r in reads:
+            assert np.array_equal(await r, v)
+        assert np.array_equal(await s.get("w"), rand(2 * MiB // 4, 2))
+
+
+async def test_close_removes_scratch_files_and_refuses_calls(tmp_path):
+    s = TieredStore(tmp_path, host="1M")
+    await s.put("a", rand(10))
+    await s.evict("a")
+    assert len(slab_files(tmp_path)) == 1
+    await s.close()
+    assert slab_files(tmp_path) == [] and s.closed
+    with pytest.raises(StoreClosedError):
+        await s.get("a")
+    await s.close()  # idempotent
+
+
+async def test_persist_reopen_gives_back_every_key(tmp_path):
+    vals = {f"k{i}": rand(1000 * (i + 1), i) for i in range(5)}
+    async with TieredStore(tmp_path, host="8K", persist=True) as s:
+        await s.put_many(vals)
+        await s.put("k0", rand(10, 99))  # overwritten
+        await s.delete("k4")
+        await s.put("t", torch.arange(6, dtype=torch.bfloat16).reshape(2, 3))
+    async with TieredStore(tmp_path, host="8K", persist=True) as s:
+        assert sorted(s.keys()) == ["k0", "k1", "k2", "k3", "t"]
+        assert np.array_equal(await s.get("k0"), rand(10, 99))
+        for i in (1, 2, 3):
+            assert np.array_equal(await s.get(f"k{i}"), vals[f"k{i}"])
+        t = await s.get("t")
+        assert t.dtype == torch.bfloat16 and torch.equal(
+            t, torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+        )
+        with pytest.raises(TypeError):
+            await s.put(1, rand(3))
+
+
+def test_sync_store_without_a_loop(tmp_path):
+    with SyncTieredStore(tmp_path, host="64K") as s:
+        v = torch.randn(100, 100)
+        s.put("v", v)
+        s.put_many({"a": rand(10), "b": rand(20)})
+        assert torch.equal(s.get("v"), v) and "v" in s and len(s) == 3
+        with s.hold("a") as h:
+            assert np.array_equal(h, rand(10))
+        s.evict("v")
+        s.prefetch(["v"])
+        assert [g.shape for g in s.get_many(["a", "b"])] == [(10,), (20,)]
+        s.delete("a")
+        with pytest.raises(KeyError):
+            s.get("a")
+        assert s.stats()["host"]["capacity"] == 64 * KiB
+    with pytest.raises(StoreClosedError):
+        s.get("v")
+
+
+def test_constructor_errors(tmp_path):
+    with pytest.raises(ValueError):
+        TieredStore(tmp_path, policy="nope")
+    with pytest.raises(ValueError):
+        TieredStore(tmp_path, host="lots")
+    if not torch.cuda.is_available():
+        with pytest.raises(DeviceError):
+            TieredStore(tmp_path, gpu="1G")
+
+
+def test_exported_from_the_package():
+    assert nvme.TieredStore is TieredStore and nvme.SyncTieredStore is SyncTieredStore
+    assert issubclass(nvme.StoreKeyError, KeyError) and issubclass(nvme.StoreFullError, OSError)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU tier)")
+async def test_gpu_tier_roundtrip(tmp_path):
+    async with TieredStore(tmp_path, host="1M", gpu="1M") as s:
+        v = torch.randn(64 * KiB, device="cuda")  # 256 KiB
+        await s.put("g", v)
+        assert s.where("g") == ["gpu"]
+        for i in range(5):
+            await s.put(f"g{i}", torch.full((64 * KiB,), float(i), device="cuda"))
+        assert "gpu" not in s.where("g")
+        got = await s.get("g", device="cuda")
+        assert got.is_cuda and torch.equal(got, v)
+        assert torch.equal(await s.get("g1"), torch.full((64 * KiB,), 1.0))
+        await s.evict("g", to="nvme")
+        assert s.where("g") == ["nvme"]
+        async with s.hold("g", device="cuda") as h:
+            assert h.is_cuda and torch.equal(h, v)
