@@ -35,14 +35,21 @@ from .exceptions import (
 )
 from .file import File, fsync, open, pread, pread_many, pwrite, pwrite_many
 from .formats import (
+    BackgroundSave,
     SafetensorsError,
     TensorNotFoundError,
+    TorchNotInstalledError,
     load,
     load_safetensors,
     load_safetensors_sharded,
     save,
     save_in_background,
     save_safetensors,
+    sync_load,
+    sync_load_safetensors,
+    sync_save,
+    sync_save_in_background,
+    sync_save_safetensors,
 )
 from .gpu import deregister, register
 from .handle import Handle
@@ -62,6 +69,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AionvmeError",
     "AlignedBuffer",
+    "BackgroundSave",
     "BufferTypeError",
     "ClosedFileError",
     "CuFileError",
@@ -76,6 +84,7 @@ __all__ = [
     "ShortReadError",
     "ShortWriteError",
     "TensorNotFoundError",
+    "TorchNotInstalledError",
     "UnsupportedOperation",
     "__version__",
     "aclose",
@@ -100,4 +109,9 @@ __all__ = [
     "save_in_background",
     "save_safetensors",
     "stats",
+    "sync_load",
+    "sync_load_safetensors",
+    "sync_save",
+    "sync_save_in_background",
+    "sync_save_safetensors",
 ]
