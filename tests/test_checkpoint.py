@@ -8,6 +8,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -18,6 +21,7 @@ from aionvme.formats import _checkpoint
 
 torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")
+st_numpy = pytest.importorskip("safetensors.numpy")
 
 
 def training_state():
@@ -381,3 +385,58 @@ async def test_a_failed_snapshot_writes_nothing(tmp_dir):
     with pytest.raises(TypeError, match="'bad'"):
         await nvme.save_in_background({"w": torch.ones(3), "bad": {1, 2}}, tmp_dir / "x.safetensors")
     assert list(tmp_dir.iterdir()) == []
+
+
+def _python(code: str, timeout: int = 180) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def test_a_plain_code_background_save_finishes_at_interpreter_exit(tmp_dir):
+    path = tmp_dir / "exit.safetensors"
+    r = _python(
+        f"""
+import numpy as np, aionvme as nvme
+pending = nvme.sync_save_in_background({{"w": np.arange(16 << 20, dtype=np.int32)}}, {str(path)!r})
+print("done before exit:", pending.done())
+"""
+    )
+    assert r.returncode == 0, r.stderr
+    assert np.array_equal(st_numpy.load_file(path)["w"], np.arange(16 << 20, dtype=np.int32))
+    assert [p.name for p in tmp_dir.iterdir()] == ["exit.safetensors"]
+
+
+def test_ctrl_c_during_a_blocking_save_cancels_it_and_keeps_the_old_file(tmp_dir):
+    path = tmp_dir / "c.safetensors"
+    r = _python(
+        f"""
+import asyncio, os, signal, sys, threading, time
+import numpy as np, aionvme as nvme
+from aionvme.formats import _background
+path = {str(path)!r}
+nvme.sync_save({{"w": np.zeros(4)}}, path)
+old = open(path, "rb").read()
+big = {{f"t{{i}}": np.full(8 << 20, i, dtype=np.float64) for i in range(8)}}  # 512 MiB
+threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+t0 = time.perf_counter()
+try:
+    nvme.sync_save(big, path)
+except KeyboardInterrupt:
+    print("interrupted after", round(time.perf_counter() - t0, 2))
+else:
+    print("finished first")
+    sys.exit(0)
+bg = _background.background()
+running = bg.call(lambda: [t for t in asyncio.all_tasks(bg.loop) if not t.done()])
+assert running == [], running  # the save was cancelled and has ended
+assert open(path, "rb").read() == old
+print(sorted(os.listdir(os.path.dirname(path))))
+"""
+    )
+    assert r.returncode == 0, r.stderr
+    if "finished first" in r.stdout:
+        pytest.skip("the save finished before the signal (a fast disk): nothing to interrupt")
+    assert "interrupted after" in r.stdout
+    assert r.stdout.splitlines()[-1] == "['c.safetensors']"  # no temporary file left
