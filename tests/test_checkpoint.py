@@ -240,15 +240,30 @@ async def test_cancelled_background_save_keeps_the_old_checkpoint(tmp_dir):
     assert [p.name for p in tmp_dir.iterdir()] == ["bg.safetensors"]
 
 
-async def test_cancelling_the_snapshot_writes_nothing_and_keeps_the_buffer(tmp_dir):
+async def test_cancelling_the_snapshot_writes_nothing_and_keeps_the_buffer(tmp_dir, monkeypatch):
+    import threading
+
     nvme.formats.release_snapshot_buffers()
+    started, release = threading.Event(), threading.Event()
+    real = _checkpoint.snapshot
+
+    def held_snapshot(*args):
+        started.set()
+        release.wait()  # the copy is under way when the cancel comes
+        return real(*args)
+
+    monkeypatch.setattr(_checkpoint, "snapshot", held_snapshot)
     task = asyncio.ensure_future(nvme.save_in_background({"w": torch.randn(16 << 20)}, tmp_dir / "x.st"))
-    await asyncio.sleep(0.001)  # the copy is running on its thread
+    while not started.is_set():
+        await asyncio.sleep(0.001)
     task.cancel()
+    await asyncio.sleep(0.01)
+    assert not task.done()  # the copy reads the caller's tensors: it is seen to its end first
+    release.set()
     with pytest.raises(asyncio.CancelledError):
         await task
     assert list(tmp_dir.iterdir()) == []
-    assert _checkpoint._spare[False].nbytes >= 64 << 20  # the copy was seen through, its buffer kept
+    assert _checkpoint._spare[False].nbytes >= 64 << 20  # its buffer is kept for the next save
     nvme.formats.release_snapshot_buffers()
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import threading
 from collections.abc import Callable, Generator, Mapping
 from typing import Any
@@ -302,14 +303,37 @@ def _staging(total: int, sources: list[Source]) -> _Staging:
     return _Staging(base, pinned, total, uses_torch)
 
 
-def snapshot(obj: Any, metadata: Mapping[str, str] | None) -> _Staging:
-    """The complete file ``save`` would write, copied into one buffer."""
+def caller_streams() -> dict[int, Any]:
+    """The calling thread's current CUDA stream of each device (empty when CUDA
+    is not in use): a snapshot taken on another thread orders its copies after
+    the work queued on them, as a copy on the caller's thread would be."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    return {i: torch.cuda.current_stream(i) for i in range(torch.cuda.device_count())}
+
+
+def snapshot(
+    obj: Any, metadata: Mapping[str, str] | None, streams: Mapping[int, Any] | None = None
+) -> _Staging:
+    """The complete file ``save`` would write, copied into one buffer.
+
+    ``streams``: from :func:`caller_streams` when this runs on another thread
+    than the caller's; the copies from each CUDA device wait for its stream.
+    """
     tensors, meta = flatten(obj, metadata)
     header, placed = plan(tensors, meta)
     total = len(header) + sum(s.nbytes for s, _ in placed)
     stage = _staging(total, [s for s, _ in placed])
     image, image_t = stage.array, stage.tensor
     try:
+        if stage.pinned and streams:
+            import torch
+
+            for dev in {s.value.device for s, _ in placed if s.kind == "torch" and s.value.is_cuda}:
+                theirs = streams.get(dev.index if dev.index is not None else torch.cuda.current_device())
+                if theirs is not None:
+                    torch.cuda.current_stream(dev).wait_stream(theirs)
         with Prefault(image.ctypes.data, 0 if stage.pinned else total):
             image[: len(header)] = np.frombuffer(header, dtype=np.uint8)
             for src, off in placed:
@@ -466,7 +490,7 @@ async def _snapshot_off_loop(obj: Any, metadata: Mapping[str, str] | None) -> _S
     copy is seen to its end first (it reads the caller's tensors) and its
     buffer kept for the next save."""
     loop = asyncio.get_running_loop()
-    fut = loop.run_in_executor(None, snapshot, obj, metadata)
+    fut = loop.run_in_executor(None, snapshot, obj, metadata, caller_streams())
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
