@@ -5,7 +5,9 @@ deepspeed package when it is installed)."""
 
 from __future__ import annotations
 
+import filecmp
 import importlib.util
+import itertools
 import os
 import subprocess
 import sys
@@ -319,6 +321,159 @@ def test_locked_tensor_falls_back_when_memlock_is_too_small(h):
     assert pinned == "True" and float(total) == 3 * (1 << 20)
     if os.geteuid() == 0 and os.path.exists(setpriv):
         assert warned == "1"  # mlock was refused and said so
+
+
+# -- DeepSpeed's own unit tests, reproduced (its sdist ships no tests) ----------------------------------
+#
+# tests/unit/v1/nvme/test_aio.py::TestAsyncFileOffset::test_offset_write and
+# tests/unit/v1/nvme/test_pinned_manager.py of DeepSpeed 0.19.8, with the handle
+# AsyncIOBuilder().load() returns once install() is in effect.
+
+DS_BLOCK_SIZE, DS_QUEUE_DEPTH, DS_IO_PARALLEL = 1024, 2, 2
+
+
+@pytest.mark.parametrize("file_partitions", [[1, 1, 1], [1, 1, 2], [1, 2, 1], [2, 1, 1]])
+@pytest.mark.parametrize("use_fd", [False, True])
+def test_deepspeed_offset_write(tmp_path, file_partitions, use_fd):
+    ref_file = str(tmp_path / "_py_random.pt")
+    aio_file = str(tmp_path / "_aio_random.pt")
+    unit = DS_BLOCK_SIZE
+    file_size = sum(file_partitions) * unit
+    h = ds.aio_handle(DS_BLOCK_SIZE, DS_QUEUE_DEPTH, True, True, DS_IO_PARALLEL)
+    data_buffer = h.new_cpu_locked_tensor(file_size, torch.empty(0, dtype=torch.uint8))
+    data_buffer.copy_(torch.randint(0, 256, (file_size,), dtype=torch.uint8))
+    file_offsets = list(itertools.accumulate([0] + [p * unit for p in file_partitions[:-1]]))
+    with open(ref_file, "wb") as ref_fd:
+        for i, p in enumerate(file_partitions):
+            src_buffer = torch.narrow(data_buffer, 0, file_offsets[i], p * unit)
+            ref_fd.write(src_buffer.numpy().tobytes())
+            ref_fd.flush()
+            if use_fd:
+                aio_fd = os.open(aio_file, flags=os.O_DIRECT | os.O_CREAT | os.O_WRONLY)
+                write_status = h.async_pwrite(buffer=src_buffer, fd=aio_fd, file_offset=file_offsets[i])
+            else:
+                write_status = h.async_pwrite(
+                    buffer=src_buffer, filename=aio_file, file_offset=file_offsets[i]
+                )
+            assert write_status == 0
+            assert h.wait() == 1
+            if use_fd:
+                assert os.path.isfile(aio_fd)
+                os.close(aio_fd)
+            filecmp.clear_cache()
+            assert filecmp.cmp(ref_file, aio_file, shallow=False)
+    h.free_cpu_locked_tensor(data_buffer)
+    h.handle.close()
+
+
+def test_async_pwrite_fd_by_position_and_its_argument_errors(h, tmp_path):
+    path = str(tmp_path / "p.bin")
+    t = torch.arange(4096, dtype=torch.uint8)
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        assert h.async_pwrite(t, fd, 0) == 0  # the fd overload, positionally
+        assert h.wait() == 1
+        with pytest.raises(TypeError, match="not both"):
+            h.async_pwrite(t, path, fd=fd)
+        with pytest.raises(TypeError, match="filename or fd"):
+            h.async_pwrite(t)
+        with pytest.raises(TypeError, match="int file descriptor"):
+            h.async_pwrite(t, fd=path)
+    finally:
+        os.close(fd)
+    assert np.array_equal(np.fromfile(path, np.uint8), t.numpy())
+
+
+def _ds_handle():
+    return ds.aio_handle(DS_BLOCK_SIZE, DS_QUEUE_DEPTH, False, False, 1)
+
+
+def test_deepspeed_narrow_of_locked_buffer_is_pinned():
+    handle = _ds_handle()
+    buffer = handle.new_cpu_locked_tensor(4 * DS_BLOCK_SIZE, torch.empty(0, dtype=torch.float))
+    try:
+        assert handle.is_pinned(buffer)
+        assert handle.is_pinned(buffer.narrow(0, DS_BLOCK_SIZE, DS_BLOCK_SIZE))
+    finally:
+        handle.free_cpu_locked_tensor(buffer)
+
+
+def test_deepspeed_buffer_is_shared_across_handles():
+    # ZeRO-3 hands the parameter swapper's buffers to the optimizer swapper,
+    # which asserts all(aio_handle.is_pinned(...)) with its own handle
+    handle_a, handle_b = _ds_handle(), _ds_handle()
+    buffer = handle_a.new_cpu_locked_tensor(4 * DS_BLOCK_SIZE, torch.empty(0, dtype=torch.float))
+    try:
+        assert handle_b.is_pinned(buffer) and handle_b.is_pinned(buffer[5:9])
+    finally:
+        assert handle_b.free_cpu_locked_tensor(buffer)  # any handle may free it
+    assert not handle_a.is_pinned(buffer)
+
+
+def test_deepspeed_unmanaged_buffer_is_not_pinned():
+    assert not _ds_handle().is_pinned(torch.empty(4 * DS_BLOCK_SIZE, dtype=torch.float))
+
+
+def test_deepnvme_keyword_names_of_new_cpu_locked_tensor():
+    t = _ds_handle().new_cpu_locked_tensor(num_elem=8, example_tenosr=torch.empty(0, dtype=torch.int16))
+    assert (t.shape, t.dtype) == ((8,), torch.int16)
+
+
+def _deepspeed_pin_memory_buildable() -> str | None:
+    """Why DeepSpeed's pin_memory op cannot be loaded here, or None."""
+    if importlib.util.find_spec("deepspeed") is None:
+        return "deepspeed is not installed"
+    import shutil
+
+    if shutil.which("ninja") is None or shutil.which(os.environ.get("CXX", "c++")) is None:
+        return "DeepSpeed's pin_memory op is not built and there is no ninja/C++ compiler to JIT-build it"
+    return None
+
+
+@pytest.mark.slow  # the first run JIT-builds DeepSpeed's pin_memory op: ~3 minutes on 2 cores
+@pytest.mark.skipif(
+    _deepspeed_pin_memory_buildable() is not None, reason=str(_deepspeed_pin_memory_buildable())
+)
+def test_deepspeed_pin_manager_and_ours_recognise_each_other(tmp_path):
+    # test_pin_handle_buffer_recognized_by_aio_handle and
+    # test_aio_handle_buffer_recognized_by_pin_handle, plus the lifetime of
+    # memory borrowed from DeepSpeed's manager. TORCH_EXTENSIONS_DIR (if set)
+    # says where the JIT build is cached.
+    out = _run(
+        """
+        import gc, torch
+        import aionvme.compat.deepspeed as compat
+        compat.install()
+        from deepspeed.ops.op_builder import AsyncIOBuilder, PinMemoryBuilder
+        pin_handle = PinMemoryBuilder().load().pin_handle()
+        def new():
+            return AsyncIOBuilder().load().aio_handle(1024, 2, False, False, 1)
+        aio_handle = new()
+        buffer = pin_handle.new_cpu_locked_tensor(4096, torch.empty(0, dtype=torch.float))
+        assert pin_handle.is_pinned(buffer)
+        assert aio_handle.is_pinned(buffer)
+        assert aio_handle.is_pinned(buffer.narrow(0, 1024, 1024))
+        pin_handle.free_cpu_locked_tensor(buffer)
+        ours = aio_handle.new_cpu_locked_tensor(4096, torch.empty(0, dtype=torch.float))
+        assert aio_handle.is_pinned(ours) and new().is_pinned(ours)
+        assert pin_handle.is_pinned(ours), "a locked tensor of ours is not pinned for DeepSpeed"
+        ours.fill_(2.0)
+        base = ours.data_ptr()
+        assert aio_handle.free_cpu_locked_tensor(ours)
+        view = ours[10:20]
+        del ours
+        gc.collect()
+        assert pin_handle.is_pinned(view) and float(view.sum()) == 20.0  # no dangling view
+        del view
+        gc.collect()
+        # the last reference gone: the memory went back to DeepSpeed's manager
+        assert not pin_handle.free_cpu_locked_tensor_by_ptr(base)
+        print("ok")
+        """,
+        tmp_path,
+        timeout=900,
+    )
+    assert out.split()[-1] == "ok"
 
 
 # -- DeepNVMe's module functions ------------------------------------------------------------------------

@@ -102,7 +102,7 @@ async def test_a_returned_save_survives_a_crash(xfs):
 
 async def test_a_background_save_survives_once_its_task_is_done(xfs):
     path = xfs.mnt / "ckpt.safetensors"
-    await nvme.save_in_background(checkpoint(3), path)
+    await (await nvme.save_in_background(checkpoint(3), path))
     xfs.crash()
     assert same(await nvme.load(path), checkpoint(3))
 

@@ -8,6 +8,7 @@ import asyncio
 import itertools
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -577,3 +578,275 @@ async def test_failure_midway_keeps_the_old_file(tmp_dir, monkeypatch):
         await nvme.save_safetensors({"big": big, "late": torch.ones(4, dtype=torch.uint8)}, path)
     assert path.read_bytes() == old
     assert [p.name for p in tmp_dir.iterdir()] == ["m.safetensors"]
+
+
+# -- hostile headers, and a mutation fuzz against the reference reader ------------------------
+
+
+def _with_header(header: bytes, data: bytes = b"") -> bytes:
+    return struct.pack("<Q", len(header)) + header + data
+
+
+def _one_tensor(shape) -> bytes:
+    return _with_header(json.dumps({"a": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}).encode())
+
+
+HOSTILE = {
+    # the issue's two kinds: RecursionError, and torch/numpy errors for huge empty shapes
+    "100000 [": _with_header(b"[" * 100_000),
+    "nested objects": _with_header(b'{"a":' * 50_000),
+    "[2**32, 2**32, 0]": _one_tensor([2**32, 2**32, 0]),
+    "[2**64, 0]": _one_tensor([2**64, 0]),
+    "[2**63, 0]": _one_tensor([2**63, 0]),
+    "[0, 2**32, 2**32]": _one_tensor(
+        [0, 2**32, 2**32]
+    ),  # product 0 all the way, but torch's strides overflow
+}
+
+
+@pytest.mark.parametrize("like", ["torch", "numpy"])
+@pytest.mark.parametrize("case", list(HOSTILE))
+async def test_hostile_headers_raise_safetensors_error(tmp_dir, case, like):
+    path = tmp_dir / "hostile.safetensors"
+    path.write_bytes(HOSTILE[case])
+    with pytest.raises(nvme.SafetensorsError) as info:
+        await nvme.load_safetensors(path, like=like)
+    assert info.value.filename == str(path)
+    with pytest.raises(nvme.SafetensorsError):
+        await nvme.load(path)
+    if case != "[0, 2**32, 2**32]":  # a valid header (the reference's rules): the tensor fails to materialize
+        with pytest.raises(nvme.SafetensorsError):
+            await nvme.formats.read_header(path)
+
+
+def test_the_reference_rejects_the_issues_cases_too(tmp_dir):
+    # parity: what safetensors.load_file refuses, we refuse (with our typed error)
+    for case in ("100000 [", "[2**32, 2**32, 0]", "[2**64, 0]"):
+        path = tmp_dir / "h.safetensors"
+        path.write_bytes(HOSTILE[case])
+        with pytest.raises(Exception, match=r"(?i)header|overflow|json"):
+            st.load_file(path)
+
+
+async def test_an_empty_tensor_numpy_cannot_hold_is_a_safetensors_error(tmp_dir):
+    path = tmp_dir / "e.safetensors"
+    path.write_bytes(_one_tensor([2**62, 0]))
+    assert (await nvme.load_safetensors(path))["a"].shape == (
+        2**62,
+        0,
+    )  # torch can: the reference loads it too
+    with pytest.raises(nvme.SafetensorsError, match="numpy"):
+        await nvme.load_safetensors(path, like="numpy")
+
+
+_INTERESTING = [0, 1, 2, 3, 7, 8, 255, 2**31, 2**32, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 10**30]
+# where we are documented to be stricter than the reference (see _header's docstring)
+_STRICTER = "appears twice|exceeds 2\\*\\*63|nested too deeply"
+
+
+@pytest.fixture(scope="module")
+def seed_files(tmp_path_factory):
+    """Files written by the real safetensors package: torch (with bf16, a 0-d,
+    an empty and a bool tensor, and metadata) and numpy."""
+    d = tmp_path_factory.mktemp("seeds")
+    g = torch.Generator().manual_seed(0)
+    sd = {
+        "w": torch.randn(5, 7, generator=g),
+        "h": torch.randn(3, generator=g).to(torch.bfloat16),
+        "step": torch.tensor(3),
+        "mask": torch.tensor([True, False, True]),
+        "empty": torch.zeros(0, 3),
+        "u": torch.arange(11, dtype=torch.uint8),
+    }
+    st.save_file(sd, d / "t.safetensors", metadata={"format": "pt"})
+    st_numpy.save_file(
+        {"x": np.arange(6.0).reshape(2, 3), "i": np.arange(4, dtype=np.int16)}, d / "n.safetensors"
+    )
+    return [(d / name).read_bytes() for name in ("t.safetensors", "n.safetensors")]
+
+
+def _mutate(draw, seed: bytes) -> bytes:
+    """One mutation of a real file: a header byte, a number in the JSON, the
+    length field, an insertion (deep nesting, a new entry), a deletion, or a
+    truncation. The length field follows the header where the mutation is
+    to the JSON, so the mutant gets past the first check."""
+    from hypothesis import strategies as hst
+
+    n = struct.unpack("<Q", seed[:8])[0]
+    header, data = seed[8 : 8 + n].decode(), seed[8 + n :]
+    kind = draw(hst.sampled_from(["byte", "number", "length", "insert", "delete", "truncate"]))
+    if kind == "byte":
+        pos = draw(hst.integers(0, 8 + n - 1))
+        ch = draw(hst.sampled_from(list(b'[]{}",:- 0123456789eE.nul\x00\xff')) | hst.integers(0, 255))
+        return seed[:pos] + bytes([ch]) + seed[pos + 1 :]
+    if kind == "length":
+        v = draw(
+            hst.integers(-9, 9).map(lambda k: n + k)
+            | hst.sampled_from([0, 1, len(seed)])
+            | hst.integers(0, 2**64 - 1)
+        )
+        return struct.pack("<Q", v % 2**64) + seed[8:]
+    if kind == "truncate":
+        return seed[: draw(hst.integers(0, len(seed) - 1))]
+    if kind == "number":
+        numbers = list(re.finditer(r"\d+", header))
+        m = draw(hst.sampled_from(numbers))
+        v = int(m.group())
+        new = draw(
+            hst.sampled_from([*_INTERESTING, v + 1, v - 1, v * 2, -v]).map(str)
+            | hst.sampled_from(["1e3", "1.5", "null", "-0", "[]", '"7"'])
+        )
+        h = header[: m.start()] + new + header[m.end() :]
+    elif kind == "insert":
+        pos = draw(hst.integers(0, len(header)))
+        ins = draw(
+            hst.sampled_from(
+                [
+                    "[" * 100_000,
+                    "{" * 5_000,
+                    '"x":1,',
+                    " ",
+                    '"a":{"dtype":"F32","shape":[0],"data_offsets":[0,0]},',
+                    '"b":{"dtype":"F32","shape":[4294967296,4294967296,0],"data_offsets":[0,0]},',
+                ]
+            )
+        )
+        h = header[:pos] + ins + header[pos:]
+    else:
+        a = draw(hst.integers(0, len(header) - 1))
+        h = header[:a] + header[a + draw(hst.integers(1, 20)) :]
+    return _with_header(h.encode(), data)
+
+
+def _check_mutant(path, content: bytes) -> str:
+    """Ours loads what the reference loads, identically, or raises
+    SafetensorsError; nothing else may come out (an untyped error fails the test)."""
+    path.write_bytes(content)
+    try:
+        ref = st.load_file(path)
+    except Exception:
+        ref = None
+    try:
+        ours = nvme.sync_load_safetensors(path)
+    except nvme.SafetensorsError as e:
+        if ref is not None:
+            assert re.search(_STRICTER, str(e)), f"the reference loads it, we raise: {e}"
+        return "rejected"
+    assert ref is not None, f"we load a file the reference rejects: {content[:300]!r}"
+    assert list(ours) == list(ref) or sorted(ours) == sorted(ref)
+    for k, t in ours.items():
+        r = ref[k]
+        assert t.dtype == r.dtype and t.shape == r.shape, k
+        if t.numel():
+            assert torch.equal(t.reshape(-1).view(torch.uint8), r.reshape(-1).view(torch.uint8)), k
+    return "loaded"
+
+
+def _fuzz(examples: int):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as hst
+
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        suppress_health_check=[
+            HealthCheck.function_scoped_fixture,
+            HealthCheck.too_slow,
+            HealthCheck.data_too_large,
+        ],
+    )
+    @given(data=hst.data())
+    def run(path, seeds, data):
+        seed = seeds[data.draw(hst.integers(0, len(seeds) - 1))]
+        _check_mutant(path, _mutate(data.draw, seed))
+
+    return run
+
+
+def test_mutated_headers_load_correctly_or_raise_safetensors_error(tmp_path, seed_files):
+    _fuzz(30)(tmp_path / "m.safetensors", seed_files)
+
+
+@pytest.mark.slow
+def test_mutation_fuzz_soak(tmp_path, seed_files):
+    _fuzz(3000)(tmp_path / "m.safetensors", seed_files)
+
+
+def test_the_fuzz_oracle_sees_both_outcomes(tmp_path, seed_files):
+    # the check itself: an intact file loads, a broken one is rejected
+    assert _check_mutant(tmp_path / "a.safetensors", seed_files[0]) == "loaded"
+    assert _check_mutant(tmp_path / "b.safetensors", seed_files[0][:100]) == "rejected"
+    # found by the fuzz: json reads -0 as the int 0, the reference refuses it
+    assert (
+        _check_mutant(
+            tmp_path / "c.safetensors",
+            _with_header(b'{"a":{"dtype":"F32","shape":[-0],"data_offsets":[0,0]}}'),
+        )
+        == "rejected"
+    )
+
+
+# -- without torch; blocking twins -----------------------------------------------------------
+
+
+def test_without_torch_the_error_is_typed_and_says_use_numpy(tmp_path):
+    path = tmp_path / "m.safetensors"
+    st_numpy.save_file({"x": np.arange(6.0)}, path)
+    code = f"""
+import asyncio, sys
+sys.modules["torch"] = None  # as if torch were not installed
+import aionvme as nvme
+path = {str(path)!r}
+try:
+    asyncio.run(nvme.load_safetensors(path))
+except nvme.TorchNotInstalledError as e:
+    assert isinstance(e, ModuleNotFoundError) and isinstance(e, nvme.AionvmeError), type(e).__mro__
+    assert "like='numpy'" in str(e) and e.name == "torch", str(e)
+    print("typed:", e)
+else:
+    raise SystemExit("no error")
+try:
+    nvme.sync_load(path)  # a plain safetensors file loads as torch tensors
+except nvme.TorchNotInstalledError as e:
+    assert "like='numpy'" in str(e), str(e)
+else:
+    raise SystemExit("no error from load")
+got = nvme.sync_load_safetensors(path, like="numpy")
+assert got["x"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+nvme.sync_save({{"a": got["x"], "n": 1}}, path + ".ckpt")  # numpy-only checkpoints need no torch
+back = nvme.sync_load(path + ".ckpt")
+assert back["n"] == 1 and back["a"].tolist() == got["x"].tolist()
+print("ok")
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "typed: torch is not installed" in out.stdout and out.stdout.rstrip().endswith("ok")
+
+
+def test_blocking_twins_without_an_event_loop(tmp_path):
+    path = tmp_path / "b.safetensors"
+    tensors = {"w": torch.randn(300, 7), "i": torch.arange(5)}
+    assert nvme.sync_save_safetensors(tensors, path, {"k": "v"}) is None
+    got = nvme.sync_load_safetensors(path, keys=["w"], dtype=torch.float64)
+    assert list(got) == ["w"] and torch.equal(got["w"], tensors["w"].double())
+    assert st.load_file(path).keys() == {"w", "i"}
+    with pytest.raises(FileNotFoundError):
+        nvme.sync_load_safetensors(tmp_path / "missing.safetensors")
+    with pytest.raises(nvme.TensorNotFoundError):
+        nvme.sync_load_safetensors(path, keys=["nope"])
+
+
+async def test_blocking_twins_from_a_thread_while_a_loop_runs(tmp_path):
+    path = tmp_path / "t.safetensors"
+    tensors = {"w": torch.randn(1000)}
+    await asyncio.to_thread(nvme.sync_save_safetensors, tensors, path)
+    got = await asyncio.to_thread(nvme.sync_load_safetensors, path)
+    assert torch.equal(got["w"], tensors["w"])
+    # on the loop's own thread they refuse (they would stall it), and leave nothing behind
+    with pytest.raises(RuntimeError, match=r"await aionvme\.load_safetensors"):
+        nvme.sync_load_safetensors(path)
+    with pytest.raises(RuntimeError, match=r"await aionvme\.save_safetensors"):
+        nvme.sync_save_safetensors(tensors, tmp_path / "other.safetensors")
+    assert [p.name for p in tmp_path.iterdir()] == ["t.safetensors"]

@@ -35,14 +35,21 @@ from .exceptions import (
 )
 from .file import File, fsync, open, pread, pread_many, pwrite, pwrite_many
 from .formats import (
+    BackgroundSave,
     SafetensorsError,
     TensorNotFoundError,
+    TorchNotInstalledError,
     load,
     load_safetensors,
     load_safetensors_sharded,
     save,
     save_in_background,
     save_safetensors,
+    sync_load,
+    sync_load_safetensors,
+    sync_save,
+    sync_save_in_background,
+    sync_save_safetensors,
 )
 from .gpu import deregister, register
 from .handle import Handle
@@ -71,6 +78,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AionvmeError",
     "AlignedBuffer",
+    "BackgroundSave",
     "BufferTypeError",
     "ClosedFileError",
     "CuFileError",
@@ -92,6 +100,7 @@ __all__ = [
     "SyncTieredStore",
     "TensorNotFoundError",
     "TieredStore",
+    "TorchNotInstalledError",
     "UnsupportedOperation",
     "__version__",
     "aclose",
@@ -118,4 +127,9 @@ __all__ = [
     "save_in_background",
     "save_safetensors",
     "stats",
+    "sync_load",
+    "sync_load_safetensors",
+    "sync_save",
+    "sync_save_in_background",
+    "sync_save_safetensors",
 ]

@@ -270,7 +270,7 @@ async def checkpoint(directory: str, total_bytes: int, *, verify: bool = True, p
         if pause:
             await asyncio.sleep(pause)
         t0 = time.perf_counter()
-        task = save_in_background(ckpt, ours)
+        task = await save_in_background(ckpt, ours)
         background[f"background_{kind}_return_s"] = time.perf_counter() - t0
         await task
         background[f"background_{kind}_total_s"] = time.perf_counter() - t0

@@ -28,7 +28,15 @@ with these differences:
 - CUDA and non-contiguous tensors go through a host staging copy, and reads
   into them are completed by :meth:`aio_handle.wait`;
 - :meth:`aio_handle.free_cpu_locked_tensor` forgets the tensor; its memory
-  is released when the last reference to it goes, never under a live tensor.
+  is released when the last reference to it goes, never under a live tensor;
+- locked tensors are process-wide, as DeepNVMe's pinned-tensor manager is:
+  every handle's :meth:`aio_handle.is_pinned` recognises a tensor (or a slice
+  of one) from any handle's :meth:`aio_handle.new_cpu_locked_tensor`. When
+  DeepSpeed's own ``pin_memory`` op is loaded (``PinMemoryBuilder().load()``),
+  its buffers are recognised too, and new locked tensors are allocated through
+  its manager so that its ``pin_handle().is_pinned`` recognises ours;
+- ``async_pwrite(buffer, fd=..., file_offset=...)``: DeepNVMe's overload for an
+  open file descriptor, by keyword as well as by position.
 
 DeepNVMe splits each request into ``intra_op_parallelism`` parts, each with
 ``queue_depth`` chunks of ``block_size`` in flight; the handle runs each
@@ -44,6 +52,7 @@ import os
 import sys
 import threading
 import warnings
+import weakref
 from typing import Any
 
 from .._engine import AlignedBuffer
@@ -218,6 +227,107 @@ def _staged(buffer: Any, read: bool) -> Any:
     return staging
 
 
+# -- page-locked tensors, process-wide -----------------------------------------------------------
+
+# Where DeepSpeed 0.19 keeps its loaded pin_memory op (deepspeed/ops/op_builder/pin_memory_load.py),
+# and the module name a prebuilt op is imported as (PinMemoryBuilder.absolute_name()).
+_DS_PIN_SYS_ATTR = "_deepspeed_pin_memory_op_module"
+_DS_PIN_MODULE = "deepspeed.ops.pin_memory.pin_memory_op"
+
+
+def _deepspeed_pin_module() -> Any:
+    """DeepSpeed's pin_memory op if this process has loaded it, else None
+    (never loaded or built from here: building it takes minutes)."""
+    mod = getattr(sys, _DS_PIN_SYS_ATTR, None)
+    if mod is None:
+        mod = sys.modules.get(_DS_PIN_MODULE)
+    return mod if hasattr(mod, "pin_handle") else None
+
+
+class _BorrowedPages:
+    """Memory from DeepSpeed's pin manager, exposed to numpy; when the last
+    tensor viewing it is gone, handed back to the manager (munlock + free)."""
+
+    def __init__(self, pin_handle: Any, address: int, nbytes: int) -> None:
+        self.__array_interface__ = {
+            "data": (address, False),
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "version": 3,
+        }
+        weakref.finalize(self, pin_handle.free_cpu_locked_tensor_by_ptr, address)
+
+
+class _PinnedTensors:
+    """The process's locked tensors (DeepNVMe keeps one manager per process):
+    base address -> bytes, for every handle's is_pinned."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.regions: dict[int, int] = {}
+        self._ds_handle: Any = None
+        self._ds_module: Any = None
+
+    def deepspeed_handle(self) -> Any:
+        mod = _deepspeed_pin_module()
+        if mod is None:
+            return None
+        with self.lock:
+            if self._ds_module is not mod:
+                self._ds_handle, self._ds_module = mod.pin_handle(), mod
+            return self._ds_handle
+
+    def new(self, num_elem: int, dtype: Any) -> Any:
+        import numpy as np
+        import torch
+
+        nbytes = num_elem * torch.empty(0, dtype=dtype).element_size()
+        ds = self.deepspeed_handle() if nbytes else None
+        if ds is not None:
+            # through DeepSpeed's manager, so its is_pinned knows the memory
+            theirs = ds.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8))
+            owner: Any = _BorrowedPages(ds, theirs.data_ptr(), nbytes)
+            del theirs  # a view without an owner: ours keeps the memory alive instead
+        else:
+            try:
+                owner = AlignedBuffer(nbytes, lock=True)
+            except OSError as e:
+                warnings.warn(
+                    f"cannot page-lock {nbytes} bytes ({e.strerror}; see `ulimit -l`): "
+                    "using page-aligned memory that is not locked",
+                    ResourceWarning,
+                    stacklevel=3,
+                )
+                owner = AlignedBuffer(nbytes)
+            owner = memoryview(owner)
+        raw = np.asarray(owner) if ds is not None else np.frombuffer(owner, dtype=np.uint8)  # keeps it alive
+        tensor = torch.from_numpy(raw).view(dtype)
+        with self.lock:
+            self.regions[tensor.data_ptr()] = nbytes
+        return tensor
+
+    def free(self, tensor: Any) -> bool:
+        with self.lock:
+            return self.regions.pop(tensor.data_ptr(), None) is not None
+
+    def is_pinned(self, buffer: Any) -> bool:
+        if not _is_tensor(buffer) or buffer.device.type != "cpu":
+            return False
+        if buffer.is_pinned():
+            return True
+        # the whole extent inside one locked region, as DeepNVMe's is_managed checks
+        ptr = buffer.data_ptr()
+        end = ptr + buffer.numel() * buffer.element_size()
+        with self.lock:
+            if any(base <= ptr and end <= base + max(n, 1) for base, n in self.regions.items()):
+                return True
+        ds = self.deepspeed_handle()
+        return bool(ds is not None and ds.is_pinned(buffer))
+
+
+_pinned = _PinnedTensors()
+
+
 # -- the handle ------------------------------------------------------------------------------
 
 
@@ -267,7 +377,6 @@ class aio_handle:  # DeepSpeed's name, lower case
         )
         self._lock = threading.Lock()
         self._pending: list[_Op] = []
-        self._locked: dict[int, int] = {}  # data_ptr -> nbytes of tensors from new_cpu_locked_tensor
 
     # -- knobs ---------------------------------------------------------------------------
 
@@ -414,9 +523,25 @@ class aio_handle:  # DeepSpeed's name, lower case
         """Start a read; returns 0 at once. :meth:`wait` completes it."""
         return self.pread(buffer, filename, False, True, file_offset)
 
-    def async_pwrite(self, buffer: Any, filename: FileLike, file_offset: int = 0) -> int:
-        """Start a write (filename may be an open fd, as DeepSpeed's checkpoint
-        writer passes); returns 0 at once."""
+    def async_pwrite(
+        self, buffer: Any, filename: FileLike | None = None, file_offset: int = 0, *, fd: int | None = None
+    ) -> int:
+        """Start a write; returns 0 at once.
+
+        DeepNVMe has two overloads, ``async_pwrite(buffer, filename,
+        file_offset)`` and ``async_pwrite(buffer, fd, file_offset)`` for an
+        open file descriptor (DeepSpeed's FastFileWriter): both work, by
+        position or keyword (``fd=aio_fd``). The caller keeps the fd open until
+        :meth:`wait` returns and closes it; a write-only O_DIRECT fd is fine.
+        """
+        if fd is not None:
+            if filename is not None:
+                raise TypeError("async_pwrite() takes filename or fd, not both")
+            if isinstance(fd, bool) or not isinstance(fd, int):
+                raise TypeError(f"fd must be an int file descriptor, got {type(fd).__name__}")
+            filename = fd
+        elif filename is None:
+            raise TypeError("async_pwrite() needs filename or fd")
         return self.pwrite(buffer, filename, False, True, file_offset)
 
     def read(self, buffer: Any, filename: str, validate: bool, file_offset: int = 0) -> int:
@@ -436,55 +561,39 @@ class aio_handle:  # DeepSpeed's name, lower case
 
     # -- page-locked tensors -------------------------------------------------------------------
 
-    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: Any) -> Any:
+    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: Any = None, **kwargs: Any) -> Any:
         """A 1-D CPU tensor of num_elem elements of example_tensor's dtype, in
-        page-aligned, page-locked (mlock) memory.
+        page-aligned, page-locked (mlock) memory, known to every handle of the
+        process (see :meth:`is_pinned`).
 
-        Where ``RLIMIT_MEMLOCK`` forbids locking, the memory is page-aligned
-        but not locked (a ResourceWarning says so): O_DIRECT does not need it.
+        When DeepSpeed's ``pin_memory`` op is loaded, the memory comes from its
+        pinned-tensor manager, so its ``pin_handle().is_pinned`` says True too.
+        Otherwise, where ``RLIMIT_MEMLOCK`` forbids locking, the memory is
+        page-aligned but not locked (a ResourceWarning says so): O_DIRECT does
+        not need it. ``example_tenosr=`` (DeepNVMe's keyword, sic) is accepted.
         """
-        import numpy as np
-        import torch
-
-        dtype = example_tensor.dtype
-        nbytes = int(num_elem) * torch.empty(0, dtype=dtype).element_size()
-        try:
-            mem = AlignedBuffer(nbytes, lock=True)
-        except OSError as e:
-            warnings.warn(
-                f"cannot page-lock {nbytes} bytes ({e.strerror}; see `ulimit -l`): "
-                "using page-aligned memory that is not locked",
-                ResourceWarning,
-                stacklevel=2,
-            )
-            mem = AlignedBuffer(nbytes)
-        raw = np.frombuffer(memoryview(mem), dtype=np.uint8)  # keeps mem alive
-        tensor = torch.from_numpy(raw).view(dtype)
-        with self._lock:
-            self._locked[tensor.data_ptr()] = nbytes
-        return tensor
+        if "example_tenosr" in kwargs:
+            example_tensor = kwargs.pop("example_tenosr")
+        if kwargs:
+            raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}")
+        if example_tensor is None:
+            raise TypeError("new_cpu_locked_tensor() needs example_tensor")
+        return _pinned.new(int(num_elem), example_tensor.dtype)
 
     def free_cpu_locked_tensor(self, tensor: Any) -> bool:
-        """Forget a tensor from :meth:`new_cpu_locked_tensor`; True if it was one.
+        """Forget a tensor from :meth:`new_cpu_locked_tensor` (of any handle);
+        True if it was one.
 
-        The memory is unmapped when the last reference to the tensor goes (not
-        at once, as in DeepNVMe, which leaves live tensors dangling)."""
-        with self._lock:
-            return self._locked.pop(tensor.data_ptr(), None) is not None
+        The memory is unlocked and unmapped when the last reference to the
+        tensor goes (not at once, as in DeepNVMe, which leaves live tensors
+        dangling)."""
+        return _pinned.free(tensor)
 
     def is_pinned(self, buffer: Any) -> bool:
-        """Whether buffer is pinned by torch or inside a tensor from
-        :meth:`new_cpu_locked_tensor` (slices included)."""
-        if _is_tensor(buffer):
-            if buffer.device.type != "cpu":
-                return False
-            if buffer.is_pinned():
-                return True
-            ptr = buffer.data_ptr()
-        else:
-            return False
-        with self._lock:
-            return any(base <= ptr < base + max(n, 1) for base, n in self._locked.items())
+        """Whether buffer is directly usable for I/O: pinned by torch, inside a
+        tensor from any handle's :meth:`new_cpu_locked_tensor` (slices
+        included), or managed by DeepSpeed's ``pin_memory`` op when it is loaded."""
+        return _pinned.is_pinned(buffer)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -574,7 +683,23 @@ def _builder_classes() -> list[type]:
 
 
 def _load(self: Any, verbose: bool = False) -> Any:
+    # DeepSpeed's AsyncIOBuilder.load loads its pin_memory op first (the shared
+    # pinned-tensor manager). Do the same where the op is prebuilt, never a JIT build.
+    _load_prebuilt_pin_memory()
     return sys.modules[__name__]
+
+
+def _load_prebuilt_pin_memory() -> None:
+    if _deepspeed_pin_module() is not None:
+        return
+    try:
+        from deepspeed.git_version_info import installed_ops
+        from deepspeed.ops.op_builder import PinMemoryBuilder
+
+        if installed_ops.get(PinMemoryBuilder.NAME, False):
+            PinMemoryBuilder().load()
+    except Exception:  # an old DeepSpeed without it, or an op built for another torch
+        pass
 
 
 def _is_compatible(self: Any, verbose: bool = False) -> bool:

@@ -28,7 +28,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping
+import os
+import sys
+import threading
+from collections.abc import Callable, Generator, Mapping
 from typing import Any
 
 import numpy as np
@@ -36,12 +39,22 @@ import numpy as np
 from ..atomic import atomic_write
 from ..file import PathLike
 from ..memory import empty
+from . import _background
 from ._header import METADATA_KEY, SafetensorsError, TensorInfo
 from ._prefault import Prefault
 from ._safetensors import convert, plan, read_file, save_safetensors
-from ._tensors import Source, check_device, is_torch_tensor
+from ._tensors import Source, check_device, is_torch_tensor, require_torch
 
-__all__ = ["load", "release_snapshot_buffers", "save", "save_in_background"]
+__all__ = [
+    "BackgroundSave",
+    "load",
+    "release_snapshot_buffers",
+    "save",
+    "save_in_background",
+    "sync_load",
+    "sync_save",
+    "sync_save_in_background",
+]
 
 STRUCTURE_KEY = "aionvme.checkpoint"
 VERSION = 1
@@ -181,7 +194,9 @@ async def save(
     the checkpoint survives a crash; if it raises or is cancelled, the
     previous file is intact. It is a safetensors file: see the module
     documentation for how the nesting is stored. Do not modify the tensors
-    until ``save`` returns, or use :func:`save_in_background`.
+    until ``save`` returns, or use :func:`save_in_background`. A symlinked
+    ``path`` is written through (see :func:`aionvme.atomic_write`);
+    :func:`sync_save` is the blocking twin.
     """
     tensors, meta = flatten(obj, metadata)
     await save_safetensors(tensors, path, meta, durable=durable)
@@ -199,6 +214,7 @@ async def load(path: PathLike, *, device: Any = "cpu") -> Any:
     got = await read_file(path)
     raw = got.header.metadata.get(STRUCTURE_KEY)
     if raw is None:
+        require_torch("load() gives torch tensors; for numpy arrays use load_safetensors(path, like='numpy')")
         return {t.name: convert(got.tensor(t, "torch"), None, dev, "torch") for t in got.infos}
     try:
         doc = json.loads(raw)
@@ -219,6 +235,8 @@ async def load(path: PathLike, *, device: Any = "cpu") -> Any:
             raise SafetensorsError(f"checkpoint structure names a missing tensor {name!r}", got.filename)
         if name not in made:
             like = "torch" if tag == "t" else "numpy"
+            if like == "torch":
+                require_torch(f"the checkpoint holds torch tensors ({name!r}); install torch to load it")
             made[name] = convert(got.tensor(infos[name], like), None, dev if like == "torch" else None, like)
         return made[name]
 
@@ -285,14 +303,37 @@ def _staging(total: int, sources: list[Source]) -> _Staging:
     return _Staging(base, pinned, total, uses_torch)
 
 
-def snapshot(obj: Any, metadata: Mapping[str, str] | None) -> _Staging:
-    """The complete file ``save`` would write, copied into one buffer."""
+def caller_streams() -> dict[int, Any]:
+    """The calling thread's current CUDA stream of each device (empty when CUDA
+    is not in use): a snapshot taken on another thread orders its copies after
+    the work queued on them, as a copy on the caller's thread would be."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    return {i: torch.cuda.current_stream(i) for i in range(torch.cuda.device_count())}
+
+
+def snapshot(
+    obj: Any, metadata: Mapping[str, str] | None, streams: Mapping[int, Any] | None = None
+) -> _Staging:
+    """The complete file ``save`` would write, copied into one buffer.
+
+    ``streams``: from :func:`caller_streams` when this runs on another thread
+    than the caller's; the copies from each CUDA device wait for its stream.
+    """
     tensors, meta = flatten(obj, metadata)
     header, placed = plan(tensors, meta)
     total = len(header) + sum(s.nbytes for s, _ in placed)
     stage = _staging(total, [s for s, _ in placed])
     image, image_t = stage.array, stage.tensor
     try:
+        if stage.pinned and streams:
+            import torch
+
+            for dev in {s.value.device for s, _ in placed if s.kind == "torch" and s.value.is_cuda}:
+                theirs = streams.get(dev.index if dev.index is not None else torch.cuda.current_device())
+                if theirs is not None:
+                    torch.cuda.current_stream(dev).wait_stream(theirs)
         with Prefault(image.ctypes.data, 0 if stage.pinned else total):
             image[: len(header)] = np.frombuffer(header, dtype=np.uint8)
             for src, off in placed:
@@ -310,6 +351,13 @@ def snapshot(obj: Any, metadata: Mapping[str, str] | None) -> _Staging:
     return stage
 
 
+def _keep_spare(stage: _Staging) -> None:
+    """Keep a snapshot buffer no longer in use for the next save (the larger one)."""
+    kept = _spare.get(stage.pinned)
+    if kept is None or kept.nbytes < stage.capacity:
+        _spare[stage.pinned] = stage.base
+
+
 async def _write_image(stage: _Staging, path: PathLike, durable: bool) -> None:
     try:
         async with atomic_write(path, durable=durable) as f:
@@ -317,29 +365,174 @@ async def _write_image(stage: _Staging, path: PathLike, durable: bool) -> None:
     finally:
         # pwrite's future ends only when the kernel is done with the buffer
         # (also when cancelled): it is free for the next snapshot.
-        kept = _spare.get(stage.pinned)
-        if kept is None or kept.nbytes < stage.capacity:
-            _spare[stage.pinned] = stage.base
+        _keep_spare(stage)
 
 
-def save_in_background(
+class BackgroundSave:
+    """A checkpoint being written in the background, by
+    :func:`save_in_background` or :func:`sync_save_in_background`.
+
+    Its snapshot is complete: the tensors may be modified. Wait for the write
+    with ``await save`` (in async code) or ``save.result()`` (anywhere else);
+    either raises what the write raised. ``done()`` says whether it has
+    ended, ``cancel()`` abandons it (the previous file stays).
+
+    Attributes
+    ----------
+    path : str
+        The checkpoint being written.
+    """
+
+    def __init__(self, path: str, loop: asyncio.AbstractEventLoop, task: asyncio.Task[None]) -> None:
+        # constructed on the loop's thread
+        self.path = path
+        self._loop = loop
+        self._task = task
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._waiters: list[Callable[[], None]] = []
+        task.add_done_callback(self._finished)
+
+    def _finished(self, _: object) -> None:
+        with self._lock:
+            self._done.set()
+            waiters, self._waiters = self._waiters, []
+        for w in waiters:
+            w()
+
+    def done(self) -> bool:
+        """Whether the write has ended (committed, failed or cancelled)."""
+        return self._done.is_set()
+
+    def _on_loop_thread(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            return False
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the write has ended (or ``timeout`` seconds); return :meth:`done`.
+        Raises nothing about the save itself: see :meth:`result`."""
+        if not self._done.is_set() and self._on_loop_thread():
+            raise RuntimeError("waiting for a BackgroundSave on its own event loop's thread: await it")
+        return self._done.wait(timeout)
+
+    def result(self, timeout: float | None = None) -> None:
+        """Block until the checkpoint is committed (durable when ``durable=True``).
+
+        Raises
+        ------
+        TimeoutError
+            ``timeout`` seconds passed first; the write goes on.
+        OSError, ...
+            What the write raised (the previous file is intact).
+        asyncio.CancelledError
+            The save was cancelled.
+        """
+        if not self.wait(timeout):
+            raise TimeoutError(f"the background save of {self.path!r} has not ended after {timeout} s")
+        self._task.result()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """What the write raised (None if it committed); blocks like :meth:`result`."""
+        try:
+            self.result(timeout)
+        except TimeoutError:
+            if not self.done():
+                raise
+            return self._task.exception()
+        except BaseException as e:
+            return e
+        return None
+
+    def cancel(self) -> bool:
+        """Abandon the write (the previous checkpoint stays). False if it had ended."""
+        if self.done():
+            return False
+        if self._on_loop_thread():
+            self._task.cancel()
+        else:
+            self._loop.call_soon_threadsafe(self._task.cancel)
+        return True
+
+    def __await__(self) -> Generator[Any, None, None]:
+        if self._on_loop_thread():
+            # the write's own Task: cancelling the awaiting task cancels the save
+            return (yield from self._task.__await__())
+        return (yield from self._await_elsewhere().__await__())
+
+    async def _await_elsewhere(self) -> None:
+        loop = asyncio.get_running_loop()
+        ended = loop.create_future()
+
+        def settle() -> None:
+            if not ended.done():
+                ended.set_result(None)
+
+        def wake() -> None:
+            loop.call_soon_threadsafe(settle)
+
+        with self._lock:
+            if not self._done.is_set():
+                self._waiters.append(wake)
+            else:
+                ended.set_result(None)
+        await ended
+        self._task.result()
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "writing"
+        return f"<aionvme.BackgroundSave {self.path!r} {state}>"
+
+
+async def _snapshot_off_loop(obj: Any, metadata: Mapping[str, str] | None) -> _Staging:
+    """snapshot() on a worker thread. If the awaiting task is cancelled, the
+    copy is seen to its end first (it reads the caller's tensors) and its
+    buffer kept for the next save."""
+    loop = asyncio.get_running_loop()
+    fut = loop.run_in_executor(None, snapshot, obj, metadata, caller_streams())
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        try:
+            stage = await fut
+        except BaseException:
+            raise asyncio.CancelledError() from None
+        _keep_spare(stage)
+        raise
+
+
+async def save_in_background(
     obj: Any, path: PathLike, *, metadata: Mapping[str, str] | None = None, durable: bool = True
-) -> asyncio.Task[None]:
-    """Snapshot ``obj`` now, write it in the background; returns the write's Task.
+) -> BackgroundSave:
+    """Snapshot ``obj``, then write it in the background::
 
-    When this function returns, every tensor has been copied into one
-    page-aligned host buffer laid out as the final file (pinned memory when
-    tensors are on CUDA), so training may modify them at once. The Task
-    writes that buffer with O_DIRECT, zero-copy, through the same atomic,
-    durable commit as :func:`save`: when it completes, the checkpoint
-    survives a crash; until then the previous one is intact.
+        pending = await nvme.save_in_background(model.state_dict(), "ckpt.safetensors")
+        optimizer.step()    # the snapshot is taken: tensors may change
+        await pending       # the checkpoint is durable (or raises)
 
-    Must be called with an event loop running. Await the task (or check
-    ``task.exception()``) to learn whether the save succeeded; cancelling it
-    abandons the save and keeps the previous file.
+    The await returns once every tensor has been copied into one page-aligned
+    host buffer laid out as the final file (pinned memory when tensors are on
+    CUDA); the copy runs on a worker thread, so the event loop keeps serving
+    other tasks meanwhile. The returned :class:`BackgroundSave` writes that
+    buffer with O_DIRECT, zero-copy, through the same atomic, durable commit
+    as :func:`save`: when it is done, the checkpoint survives a crash; until
+    then the previous one is intact.
+
+    Returns
+    -------
+    BackgroundSave
+        ``await`` it (or ``.result()`` from another thread) to learn whether
+        the save succeeded; ``.cancel()`` abandons it and keeps the previous file.
 
     Notes
     -----
+    Do not modify the tensors before the await returns: they are being
+    copied. Errors in ``obj`` (a value a checkpoint cannot hold) raise from
+    the await, before anything is written. Cancelling the await lets the copy
+    finish (it reads your tensors), writes nothing and raises CancelledError.
+    Plain code without an event loop uses :func:`sync_save_in_background`.
+
     The snapshot buffer holds a copy of the whole checkpoint. When the write
     ends it is kept (one per kind: plain or pinned, the largest) and reused by
     the next background save that fits, because faulting in fresh memory is
@@ -348,6 +541,84 @@ def save_in_background(
     frees it.
     """
     loop = asyncio.get_running_loop()
+    stage = await _snapshot_off_loop(obj, metadata)
+    target = os.fsdecode(path)
+    task = loop.create_task(
+        _write_image(stage, target, durable), name=f"aionvme.save_in_background({target!r})"
+    )
+    return BackgroundSave(target, loop, task)
+
+
+def sync_save_in_background(
+    obj: Any, path: PathLike, *, metadata: Mapping[str, str] | None = None, durable: bool = True
+) -> BackgroundSave:
+    """:func:`save_in_background` for plain training code (no event loop)::
+
+        pending = nvme.sync_save_in_background(model.state_dict(), "ckpt.safetensors")
+        optimizer.step()    # training goes on while the checkpoint is written
+        pending.result()    # durable now (or raises)
+
+    Blocks this thread while the snapshot is taken, then returns; the write
+    runs on aionvme's background event loop thread. ``.done()``, ``.wait()``,
+    ``.result()`` and ``.cancel()`` of the returned :class:`BackgroundSave`
+    follow it. At interpreter exit, writes still running are finished first.
+
+    Notes
+    -----
+    Raises RuntimeError on a thread whose event loop is running (the snapshot
+    would stall it): there, ``await save_in_background(...)``.
+    """
+    _background.no_running_loop("sync_save_in_background", "save_in_background")
     stage = snapshot(obj, metadata)
-    name = f"aionvme.save_in_background({str(path)!r})"
-    return loop.create_task(_write_image(stage, path, durable), name=name)
+    target = os.fsdecode(path)
+    bg = _background.background()
+
+    def start() -> BackgroundSave:
+        task = bg.loop.create_task(
+            _write_image(stage, target, durable), name=f"aionvme.sync_save_in_background({target!r})"
+        )
+        return BackgroundSave(target, bg.loop, task)
+
+    try:
+        return bg.call(start)
+    except BaseException:
+        _keep_spare(stage)
+        raise
+
+
+# -- blocking twins --------------------------------------------------------------------
+
+
+def sync_save(
+    obj: Any, path: PathLike, *, metadata: Mapping[str, str] | None = None, durable: bool = True
+) -> None:
+    """Blocking :func:`save`, for code without an event loop.
+
+    Same parameters and guarantees: atomic, and durable when it returns. Runs
+    on aionvme's background event loop (one daemon thread per process) while
+    this thread waits: it works in plain scripts and from any thread, also
+    while an event loop runs in another one.
+
+    Notes
+    -----
+    Raises RuntimeError on a thread whose event loop is running (it would
+    stall that loop): there, ``await save(...)``. Ctrl-C during the wait
+    cancels the save (the previous file stays) and raises KeyboardInterrupt
+    once its writes have ended.
+    """
+    _background.run("sync_save", "save", save(obj, path, metadata=metadata, durable=durable))
+
+
+def sync_load(path: PathLike, *, device: Any = "cpu") -> Any:
+    """Blocking :func:`load`, for code without an event loop.
+
+    Same parameters, result and errors; runs on aionvme's background event
+    loop while this thread waits (see :func:`sync_save`).
+
+    Notes
+    -----
+    Raises RuntimeError on a thread whose event loop is running: there,
+    ``await load(...)``. Ctrl-C during the wait cancels the load and raises
+    KeyboardInterrupt once its reads have ended.
+    """
+    return _background.run("sync_load", "load", load(path, device=device))

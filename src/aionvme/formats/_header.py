@@ -15,8 +15,11 @@ and is stricter in one place: a name that appears twice in the JSON is an
 error here, where the reference silently keeps the last one. What the
 reference rejects, we reject: unknown dtypes, negative or non-integer shapes,
 ``end - begin`` different from the tensor's size, and any data region not
-covered exactly once (gaps, overlaps, bytes past the last tensor). Every check
-runs before anything larger than the header is allocated.
+covered exactly once (gaps, overlaps, bytes past the last tensor), element
+counts or sizes that overflow 64 bits. Stricter here also: a dimension above
+2**63 - 1 (no torch or numpy tensor can have it) and JSON nested too deeply
+to parse (the reference's parser has its own depth limit). Every check runs
+before anything larger than the header is allocated.
 """
 
 from __future__ import annotations
@@ -213,11 +216,33 @@ class _DuplicateKey(Exception):
     pass
 
 
+def _parse_int(text: str) -> int | float:
+    """JSON integers; a negative one (``-0`` included, which int() would make
+    0) becomes a float, so the shape and offset checks refuse it as the
+    reference does (it reads them as unsigned)."""
+    return float(text) if text.startswith("-") else int(text)
+
+
+_U64_MAX = (1 << 64) - 1
+# torch and numpy index with int64: no dimension may exceed this, even in an
+# empty tensor (torch.empty((2**63, 0)) raises a TypeError, numpy a ValueError).
+_DIM_MAX = (1 << 63) - 1
+
+
 def _shape(value: Any, filename: object, name: str) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(type(d) is int and d >= 0 for d in value):
         raise SafetensorsError(
             f"shape must be a list of non-negative integers, got {value!r}", filename, name
         )
+    # The reference multiplies the dimensions left to right with overflow
+    # checks in u64: [2**32, 2**32, 0] is an error there although its product is 0.
+    n = 1
+    for d in value:
+        if d > _DIM_MAX:
+            raise SafetensorsError(f"shape {value!r}: dimension {d} exceeds 2**63 - 1", filename, name)
+        n *= d
+        if n > _U64_MAX:
+            raise SafetensorsError(f"shape {value!r}: the element count overflows 64 bits", filename, name)
     return tuple(value)
 
 
@@ -234,11 +259,13 @@ def parse_header(raw: bytes, file_size: int, filename: object = None) -> Safeten
     except UnicodeDecodeError as e:
         raise SafetensorsError(f"header is not UTF-8 ({e.reason} at byte {8 + e.start})", filename) from None
     try:
-        obj = json.loads(text, object_pairs_hook=_no_duplicates)
+        obj = json.loads(text, object_pairs_hook=_no_duplicates, parse_int=_parse_int)
     except _DuplicateKey as e:
         raise SafetensorsError("name appears twice in the header", filename, str(e.args[0])) from None
     except ValueError as e:  # json.JSONDecodeError
         raise SafetensorsError(f"header is not valid JSON: {e}", filename) from None
+    except RecursionError:  # e.g. 100,000 '[': the reference refuses such nesting too
+        raise SafetensorsError("header JSON is nested too deeply", filename) from None
     if not isinstance(obj, dict):
         raise SafetensorsError(f"header is a JSON {type(obj).__name__}, not an object", filename)
 
@@ -277,6 +304,10 @@ def parse_header(raw: bytes, file_size: int, filename: object = None) -> Safeten
                 name,
             )
         nbits = math.prod(shape) * dt.bits
+        if nbits > _U64_MAX:
+            raise SafetensorsError(
+                f"shape {list(shape)} of {code}: the size in bytes overflows 64 bits", filename, name
+            )
         if nbits % 8:
             raise SafetensorsError(
                 f"{math.prod(shape)} elements of {code} do not fill whole bytes", filename, name

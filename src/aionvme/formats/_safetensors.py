@@ -25,6 +25,7 @@ from ..exceptions import os_error
 from ..file import File, PathLike
 from ..file import open as nvme_open
 from ..memory import _torch_dtype, empty
+from . import _background
 from ._header import (
     METADATA_KEY,
     SafetensorsError,
@@ -36,13 +37,15 @@ from ._header import (
     parse_header,
 )
 from ._prefault import Prefault
-from ._tensors import Source, check_device, materialize, source_of
+from ._tensors import LIKE_NUMPY, Source, check_device, materialize, require_torch, source_of
 
 __all__ = [
     "load_safetensors",
     "load_safetensors_sharded",
     "read_header",
     "save_safetensors",
+    "sync_load_safetensors",
+    "sync_save_safetensors",
 ]
 
 # The first read takes this much (or the whole file): one round trip holds
@@ -258,7 +261,14 @@ async def load_safetensors(
     object. The allocation is freed when the last of them is. A tensor whose
     offset is not a multiple of its item size (never in files the reference
     writer produces) is copied to aligned memory instead.
+
+    Without torch installed, ``like="torch"`` (the default) raises
+    :class:`~aionvme.formats.TorchNotInstalledError` (a ModuleNotFoundError)
+    from the await, before any I/O: pass ``like="numpy"``.
+    :func:`sync_load_safetensors` is the blocking twin.
     """
+    if like == "torch":
+        require_torch(LIKE_NUMPY)
     dev = check_device(device, like)
     target = _target_dtype(dtype, like)
     return await _load(path, keys=keys, like=like, device=dev, dtype=target)
@@ -295,6 +305,8 @@ async def load_safetensors_sharded(
     are read concurrently. Tensors a shard holds but the index does not name
     are not loaded. Other parameters as for :func:`load_safetensors`.
     """
+    if like == "torch":
+        require_torch(LIKE_NUMPY)
     dev = check_device(device, like)
     target = _target_dtype(dtype, like)
     index_path = os.fsdecode(index_path)
@@ -478,3 +490,61 @@ async def save_safetensors(
     header, placed = plan(tensors, metadata)
     async with atomic_write(path, durable=durable) as f:
         await write_segments(f, header, placed)
+
+
+# -- blocking twins --------------------------------------------------------------------
+
+
+def sync_load_safetensors(
+    path: PathLike,
+    *,
+    device: Any = "cpu",
+    dtype: Any = None,
+    keys: Iterable[str] | None = None,
+    like: str = "torch",
+) -> dict[str, Any]:
+    """Blocking :func:`load_safetensors`, for code without an event loop.
+
+    Same parameters, result and errors. Runs on aionvme's background event
+    loop (one daemon thread per process) while this thread waits, so it works
+    in plain scripts and from any thread, also while an event loop runs in
+    another thread.
+
+    Notes
+    -----
+    Raises RuntimeError on a thread whose event loop is running (it would
+    stall that loop): there, ``await load_safetensors(...)``. Ctrl-C during
+    the wait cancels the load and raises KeyboardInterrupt once its reads
+    have ended.
+    """
+    return _background.run(
+        "sync_load_safetensors",
+        "load_safetensors",
+        load_safetensors(path, device=device, dtype=dtype, keys=keys, like=like),
+    )
+
+
+def sync_save_safetensors(
+    tensors: Mapping[str, Any],
+    path: PathLike,
+    metadata: Mapping[str, str] | None = None,
+    *,
+    durable: bool = True,
+) -> None:
+    """Blocking :func:`save_safetensors`, for code without an event loop.
+
+    Same parameters and guarantees (atomic; durable when it returns). Runs on
+    aionvme's background event loop while this thread waits.
+
+    Notes
+    -----
+    Raises RuntimeError on a thread whose event loop is running: there,
+    ``await save_safetensors(...)``. Ctrl-C during the wait cancels the save
+    (the previous file stays) and raises KeyboardInterrupt once its writes
+    have ended.
+    """
+    _background.run(
+        "sync_save_safetensors",
+        "save_safetensors",
+        save_safetensors(tensors, path, metadata, durable=durable),
+    )

@@ -11,10 +11,42 @@ from typing import Any
 
 import numpy as np
 
-from ..exceptions import DeviceError
+from ..exceptions import AionvmeError, DeviceError
 from ._header import DTYPES, NUMPY_CODES, TORCH_CODES, DType, SafetensorsError, TensorInfo
 
-__all__ = ["Source", "check_device", "is_torch_tensor", "materialize", "source_of", "torch_dtype"]
+__all__ = [
+    "LIKE_NUMPY",
+    "Source",
+    "TorchNotInstalledError",
+    "check_device",
+    "is_torch_tensor",
+    "materialize",
+    "require_torch",
+    "source_of",
+    "torch_dtype",
+]
+
+
+class TorchNotInstalledError(AionvmeError, ModuleNotFoundError):
+    """torch tensors were asked for (``like="torch"``, the default, or a
+    checkpoint that holds torch tensors), but torch is not installed."""
+
+
+def require_torch(hint: str) -> Any:
+    """The torch module, or TorchNotInstalledError saying what to do instead."""
+    try:
+        import torch
+    except ModuleNotFoundError as e:
+        if e.name not in ("torch", None):
+            raise  # torch is there but one of its own dependencies is missing
+        raise TorchNotInstalledError(f"torch is not installed: {hint}", name="torch") from None
+    return torch
+
+
+LIKE_NUMPY = (
+    "like='torch' (the default) makes torch tensors; pass like='numpy' for numpy arrays, "
+    "or install torch (pip install 'aionvme[torch]')"
+)
 
 
 def is_torch_tensor(value: object) -> bool:
@@ -130,7 +162,7 @@ def _torch_source(name: str, t: Any) -> Source:
 
 
 def torch_dtype(code: DType, filename: object, name: str) -> Any:
-    import torch
+    torch = require_torch(LIKE_NUMPY)
 
     tdt = getattr(torch, code.torch, None) if code.torch is not None else None
     if tdt is None:
@@ -149,8 +181,7 @@ def check_device(device: Any, like: str) -> Any:
         return None
     if like == "numpy":
         raise DeviceError(f"numpy arrays live on the host: device={device!r} needs like='torch'")
-    import torch
-
+    torch = require_torch(LIKE_NUMPY)
     dev = torch.device(device)
     if dev.type == "cpu":
         return None
@@ -191,11 +222,16 @@ def materialize(
             )
         npdt = np.dtype(dt.numpy)
         if n == 0:
-            return np.empty(info.shape, dtype=npdt)
+            try:
+                return np.empty(info.shape, dtype=npdt)
+            except (ValueError, TypeError, OverflowError, MemoryError) as e:
+                raise SafetensorsError(
+                    f"shape {list(info.shape)} cannot be a numpy array ({e})", filename, info.name
+                ) from None
         arr = np.frombuffer(mem[pos : pos + n], dtype=npdt).reshape(info.shape)
         return arr if pos % npdt.itemsize == 0 else arr.copy()
 
-    import torch
+    torch = require_torch(LIKE_NUMPY)
 
     tdt = torch_dtype(dt, filename, info.name)
     shape = info.shape
@@ -208,7 +244,12 @@ def materialize(
             )
         shape = (*shape[:-1], shape[-1] // 2)
     if n == 0 or math.prod(shape) == 0:
-        return torch.empty(shape, dtype=tdt)
+        try:
+            return torch.empty(shape, dtype=tdt)
+        except (RuntimeError, TypeError, ValueError, OverflowError) as e:
+            raise SafetensorsError(
+                f"shape {list(shape)} cannot be a torch tensor ({e})", filename, info.name
+            ) from None
     raw = mem[pos : pos + n]
     if pos % dt.itemsize == 0:
         return torch.frombuffer(raw, dtype=tdt).reshape(shape)
