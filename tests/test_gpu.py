@@ -254,7 +254,9 @@ async def test_safetensors_and_checkpoints_to_cuda(tmp_path):
     await save_safetensors(sd, tmp_path / "m.safetensors")
     got = await load_safetensors(tmp_path / "m.safetensors", device="cuda")
     assert all(got[k].is_cuda and torch.equal(got[k], sd[k]) for k in sd)
-    task = await save_in_background({"model": sd, "step": 3}, tmp_path / "c.ckpt")  # pinned, page-aligned snapshot
+    task = await save_in_background(
+        {"model": sd, "step": 3}, tmp_path / "c.ckpt"
+    )  # pinned, page-aligned snapshot
     await task
     back = await load(tmp_path / "c.ckpt", device="cuda")
     assert back["step"] == 3 and torch.equal(back["model"]["w"], sd["w"])
