@@ -38,7 +38,7 @@ import pytest
 
 import aionvme as nvme
 from aionvme import _engine, defaults, gpu
-from aionvme._reactor import get_reactor
+from aionvme._runtime.reactor import get_reactor
 from aionvme.exceptions import CUFILE_ERRORS, CuFileError, DeviceError, ShortReadError, cufile_error
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -439,7 +439,7 @@ async def test_gds_cancel_waits_for_chunks_in_flight(shim, monkeypatch, tmp_path
 
 
 def test_gds_blocking_twin(shim, tmp_path):
-    from aionvme import _sync
+    from aionvme._runtime import blocking as _sync
 
     data = np.random.default_rng(3).integers(0, 256, 300_001, dtype=np.uint8)
     with _registered_file(tmp_path / "b.bin") as f:

@@ -52,7 +52,7 @@ from .runtime import aclose, stats
 
 def info(path: str | None = None, *, init_cuda: bool = False) -> dict[str, Any]:
     """What this machine offers aionvme (``aionvme info`` as a dict); see :func:`aionvme._info.info`."""
-    from ._info import info as _info
+    from .diagnostics import info as _info
 
     return _info(path, init_cuda=init_cuda)
 

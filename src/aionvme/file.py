@@ -13,7 +13,8 @@ import weakref
 from collections.abc import Awaitable, Iterable
 from typing import Any
 
-from . import _sync, defaults, gpu
+from . import defaults, gpu
+from ._runtime import blocking as _sync
 from ._engine import (
     KERNEL_AIO,
     MODE_NO_OVERLAP,
@@ -24,7 +25,7 @@ from ._engine import (
     fs_type,
     fstatx,
 )
-from ._reactor import get_reactor
+from ._runtime.reactor import get_reactor
 from .exceptions import ClosedFileError, os_error
 
 __all__ = ["File", "fsync", "open", "pread", "pread_many", "pwrite", "pwrite_many"]

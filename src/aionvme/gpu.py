@@ -51,7 +51,7 @@ import numpy as np
 
 from . import _engine, defaults
 from ._engine import AlignedBuffer, Engine, FileHandle, Request, fstatx
-from ._reactor import Reactor
+from ._runtime.reactor import Reactor
 from .exceptions import CuFileError, DeviceError, ShortReadError, os_error
 
 __all__ = [
@@ -515,7 +515,7 @@ def _locked_bytes() -> int:
 def memlock_budget() -> int | None:
     """Bytes this process may still page-lock, or None when unbounded
     (RLIMIT_MEMLOCK unlimited, or CAP_IPC_LOCK)."""
-    from ._info import _has_cap_ipc_lock
+    from .diagnostics import _has_cap_ipc_lock
 
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     if soft == resource.RLIM_INFINITY or _has_cap_ipc_lock():

@@ -28,10 +28,11 @@ from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from . import _reactor as _rx
-from . import _sync, defaults, gpu
+from . import defaults, gpu
+from ._runtime import blocking as _sync
+from ._runtime import reactor as _rx
 from ._engine import MODE_NO_OVERLAP, MODE_SINGLE_SUBMIT, Engine, FileHandle, Request
-from ._reactor import Reactor, get_reactor, new_engine, running_loop
+from ._runtime.reactor import Reactor, get_reactor, new_engine, running_loop
 from .exceptions import EngineClosedError, os_error
 from .file import File, PathLike, _handle_for, open_handle
 

@@ -14,7 +14,7 @@ import pytest
 import uvloop
 
 import aionvme as nvme
-from aionvme import _reactor
+from aionvme._runtime import reactor as _reactor
 from aionvme._engine import open_handles
 
 from .faultkit import run_python

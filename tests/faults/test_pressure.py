@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import aionvme as nvme
-from aionvme import _engine, _reactor
+from aionvme import _engine
+from aionvme._runtime import reactor as _reactor
 
 MiB = 1 << 20
 

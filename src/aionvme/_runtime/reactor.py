@@ -24,9 +24,9 @@ import threading
 import weakref
 from typing import Any
 
-from . import defaults
-from ._engine import Engine, Request, deliver
-from .exceptions import EngineClosedError
+from .. import defaults
+from .._engine import Engine, Request, deliver
+from ..exceptions import EngineClosedError
 
 __all__ = ["Reactor", "get_reactor", "new_engine"]
 

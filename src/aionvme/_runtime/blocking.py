@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import threading
 
-from . import _reactor
-from ._engine import Engine, Request
-from ._reactor import new_engine
+from . import reactor as _reactor
+from .._engine import Engine, Request
+from .reactor import new_engine
 
 __all__ = ["run", "thread_engine"]
 
