@@ -19,7 +19,6 @@ calling at the same time), made on first use and closed by :meth:`close`.
 from __future__ import annotations
 
 import asyncio
-import errno
 import os
 import threading
 import warnings
@@ -28,21 +27,36 @@ from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from . import defaults, gpu
-from ._runtime import blocking as _sync
-from ._runtime import reactor as _rx
-from ._engine import MODE_NO_OVERLAP, MODE_SINGLE_SUBMIT, Engine, FileHandle, Request
-from ._runtime.reactor import Reactor, get_reactor, new_engine, running_loop
-from .exceptions import EngineClosedError, os_error
-from .file import File, PathLike, _handle_for, open_handle
+from . import defaults
+from ._engine import Engine
+from ._runtime import transfer
+from ._runtime.blocking import thread_engine
+from ._runtime.reactor import Reactor, adopt, current_pid, get_reactor, new_engine, running_loop
+from ._runtime.transfer import FDATASYNC, FSYNC, READ, READV, WRITE, WRITEV
+from .exceptions import EngineClosedError, SettingTypeError
+from .file import File, PathLike
 
-__all__ = ["Handle"]
+__all__ = ["FileLike", "Handle"]
 
 FileLike = File | PathLike | int
 
-# Request kinds (what _make builds on an engine).
-_READ, _WRITE, _READV, _WRITEV, _FSYNC, _FDATASYNC = range(6)
-_WRITES = (_WRITE, _WRITEV)
+# Handle's keyword names (public; Settings fields inside: see defaults.ALIASES).
+_KNOBS = frozenset(
+    {
+        "block_size",
+        "queue_depth",
+        "single_submit",
+        "overlap_events",
+        "intra_op_parallelism",
+        "direct",
+        "backend",
+    }
+)
+# What from_config takes from a config: the knobs, and two that shape engines.
+_FROM_CONFIG = frozenset(
+    {"block_size", "queue_depth", "single_submit", "overlap_events", "max_inflight", "direct", "engine"}
+    | {"threads", "ring_reap"}
+)
 
 
 class Handle:
@@ -104,18 +118,18 @@ class Handle:
             "queue_depth": queue_depth,
             "single_submit": single_submit,
             "overlap_events": overlap_events,
-            "max_inflight": intra_op_parallelism,
+            "intra_op_parallelism": intra_op_parallelism,
             "direct": direct,
-            "engine": backend,
+            "backend": backend,
         }
         base = defaults.settings
-        self._settings = replace(
-            base, **defaults.Settings.coerce(**{k: v for k, v in given.items() if v is not None})
-        )
-        s = self._settings
-        self._mode = (MODE_SINGLE_SUBMIT if s.single_submit else 0) | (
-            0 if s.overlap_events else MODE_NO_OVERLAP
-        )
+        s = replace(base, **defaults.Settings.coerce(**{k: v for k, v in given.items() if v is not None}))
+        self._setup(s, base)
+
+    def _setup(self, s: defaults.Settings, base: defaults.Settings) -> None:
+        """Shape the handle by s; base: the defaults the loops' shared engines have."""
+        self._settings = s
+        self._mode = transfer.mode_bits(s.single_submit, s.overlap_events)
         # The loop's shared engine can serve us only if it has our shape.
         self._may_share = (s.queue_depth, s.threads, s.engine, s.ring_reap, s.submit_ramp) == (
             base.queue_depth,
@@ -141,20 +155,18 @@ class Handle:
         reads it: the file ``aionvme tune`` writes, a DeepSpeed config or its
         ``"aio"`` section as-is. Keyword arguments override the config."""
         values = defaults.read_config(config)
-        kw: dict[str, Any] = {
-            "block_size": values.get("block_size"),
-            "queue_depth": values.get("queue_depth"),
-            "single_submit": values.get("single_submit"),
-            "overlap_events": values.get("overlap_events"),
-            "intra_op_parallelism": values.get("max_inflight"),
-            "direct": values.get("direct"),
-            "backend": values.get("engine"),
-        }
-        if "threads" in values or "ring_reap" in values:
-            extra = {k: values[k] for k in ("threads", "ring_reap") if k in values}
-            with defaults.set(**extra):
-                return cls(**{**kw, **overrides})
-        return cls(**{**kw, **overrides})
+        given = {k: v for k, v in overrides.items() if v is not None}
+        unknown = sorted(set(given) - _KNOBS)
+        if unknown:
+            raise SettingTypeError(f"unknown Handle knobs {unknown}; known: {sorted(_KNOBS)}", value=unknown)
+        base = defaults.settings
+        # threads and ring_reap shape this handle's engines: applied to its own
+        # Settings, never to the process-wide defaults (another thread would see them).
+        s = replace(base, **{k: v for k, v in values.items() if k in _FROM_CONFIG})
+        s = replace(s, **defaults.Settings.coerce(**given))
+        h = cls.__new__(cls)
+        h._setup(s, base)
+        return h
 
     def config(self) -> dict[str, Any]:
         """This handle's knobs, as a dict that :meth:`from_config` reads back."""
@@ -253,7 +265,7 @@ class Handle:
             if self._fits(shared.engine):
                 return shared
         r = self._reactors.get(loop)
-        if r is not None and not r.closed and r.pid == _rx._pid:
+        if r is not None and not r.closed and r.pid == current_pid():
             return r
         with self._lock:
             self._check_open()
@@ -269,19 +281,19 @@ class Handle:
         """(engine, pooled) for one blocking call on this thread."""
         self._check_open()
         if self._may_share:
-            eng = _sync.thread_engine()
+            eng = thread_engine()
             if self._fits(eng):
                 return eng, False
         with self._lock:
             self._check_open()
-            if self._pid != _rx._pid:  # a forked child: the parent's engines were abandoned
-                self._pid = _rx._pid
+            if self._pid != current_pid():  # a forked child: the parent's engines were abandoned
+                self._pid = current_pid()
                 self._idle.clear()
                 self._engines.clear()
             if self._idle:
                 eng = self._idle.pop()
                 # this thread drives it now: exit must not close it under us
-                _rx._owners[eng] = threading.get_ident()
+                adopt(eng)
                 return eng, True
             eng = new_engine(self._settings)  # owned by this thread
             self._engines.append(eng)
@@ -294,83 +306,22 @@ class Handle:
                 return
         eng.close()  # the handle was closed while this call ran
 
-    # -- building requests --------------------------------------------------------------
+    # -- the dispatch -------------------------------------------------------------------
 
-    def _open(self, file: FileLike, write: bool) -> tuple[FileHandle, bool]:
-        """(file handle, temporary) for a path, File or fd."""
-        if isinstance(file, (str, bytes, os.PathLike)):
-            flags = os.O_RDWR | os.O_CREAT if write else os.O_RDONLY
-            h, _ = open_handle(file, flags, True, write, self._settings.direct)
-            return h, True
-        return _handle_for(file, write)
-
-    def _make(self, eng: Engine, kind: int, file: FileLike, data: Any = None, offset: int = 0) -> Request:
-        """Queue one request on eng; a path is opened for it and closed after it."""
-        fh, temporary = self._open(file, kind in _WRITES)
-        try:
-            return self._queue(eng, kind, fh, data, offset)
-        finally:
-            if temporary:
-                fh.close()  # deferred until the request has finished
-
-    def _queue(self, eng: Engine, kind: int, fh: FileHandle, data: Any = None, offset: int = 0) -> Request:
-        """Queue one request on an open file handle with this handle's knobs."""
-        p = self._params()
-        if kind == _READ:
-            return eng.read(fh, data, offset, *p)
-        if kind == _WRITE:
-            return eng.write(fh, data, offset, *p)
-        if kind == _READV:
-            return eng.readv(fh, data, *p)
-        if kind == _WRITEV:
-            return eng.writev(fh, data, *p)
-        return eng.fsync(fh, kind == _FDATASYNC)
-
-    def _gpu_items(self, kind: int, data: Any, offset: int) -> list[tuple[Any, int]] | None:
-        """The (buffer, offset) items of a transfer holding CUDA tensors, else None."""
-        if kind in (_READ, _WRITE):
-            return [(data, offset)] if gpu.is_cuda(data) else None
-        if kind in (_READV, _WRITEV):
-            return data if gpu.any_cuda(data) else None  # data: a list (see _submit)
-        return None
-
-    def _params(self) -> tuple[int, int, int]:
+    def _params(self) -> transfer.Params:
         s = self._settings
         return (s.block_size, s.max_inflight, self._mode)
 
-    def _submit(self, kind: int, file: FileLike, data: Any = None, offset: int = 0) -> Awaitable[int]:
-        r = self._reactor()
-        if kind in (_READV, _WRITEV):
-            data = list(data)
-        items = self._gpu_items(kind, data, offset)
-        if items is not None:
-            fh, temporary = self._open(file, kind in _WRITES)
-            return gpu.submit(r, fh, temporary, kind in _WRITES, items, self._params())
-        return r.submit(self._make(r.engine, kind, file, data, offset))
+    def _submit(self, op: int, file: FileLike, data: Any = None, offset: int = 0) -> Awaitable[int]:
+        return transfer.submit(self._reactor, op, file, data, offset, self._params(), self._settings.direct)
 
-    def _run(self, kind: int, file: FileLike, data: Any = None, offset: int = 0) -> int:
+    def _run(self, op: int, file: FileLike, data: Any = None, offset: int = 0) -> int:
         eng, pooled = self._take_sync_engine()
-        if kind in (_READV, _WRITEV):
-            data = list(data)
-        items = self._gpu_items(kind, data, offset)
-        if items is not None:
-            try:
-                fh, temporary = self._open(file, kind in _WRITES)
-                return gpu.run_sync(eng, fh, temporary, kind in _WRITES, items, self._params())
-            finally:
-                if pooled:
-                    self._give_back(eng)
         try:
-            req = self._make(eng, kind, file, data, offset)
-            eng.run(req)
+            return transfer.run(eng, op, file, data, offset, self._params(), self._settings.direct)
         finally:
             if pooled:
                 self._give_back(eng)
-        if req.ok:
-            n: int = req.nbytes
-            return n
-        exc = req.exception()
-        raise exc if exc is not None else os_error(errno.EIO, req.file.path, op=req.op)
 
     # -- async I/O ---------------------------------------------------------------------
 
@@ -380,46 +331,46 @@ class Handle:
         Raises ShortReadError if the file ends first, OSError subclasses for I/O
         errors. Cancelling waits for the chunks in flight (see :func:`aionvme.pread`).
         """
-        return self._submit(_READ, file, buf, offset)
+        return self._submit(READ, file, buf, offset)
 
     def pwrite(self, buf: Any, file: FileLike, offset: int = 0) -> Awaitable[int]:
         """Write all of buf to file at offset (a path is created if needed; never truncated)."""
-        return self._submit(_WRITE, file, buf, offset)
+        return self._submit(WRITE, file, buf, offset)
 
     def pread_many(self, items: Iterable[tuple[Any, int]], file: FileLike) -> Awaitable[int]:
         """Fill each (buffer, offset) pair from file; one awaitable for the batch."""
-        return self._submit(_READV, file, items)
+        return self._submit(READV, file, items)
 
     def pwrite_many(self, items: Iterable[tuple[Any, int]], file: FileLike) -> Awaitable[int]:
         """Write each (buffer, offset) pair to file; one awaitable for the batch."""
-        return self._submit(_WRITEV, file, items)
+        return self._submit(WRITEV, file, items)
 
     def fsync(self, file: FileLike, *, datasync: bool = False) -> Awaitable[int]:
         """fsync (or fdatasync) file on a worker thread."""
-        return self._submit(_FDATASYNC if datasync else _FSYNC, file)
+        return self._submit(FDATASYNC if datasync else FSYNC, file)
 
     # -- blocking I/O (no event loop needed; waits with the GIL released) --------------
 
     def sync_pread(self, buf: Any, file: FileLike, offset: int = 0) -> int:
         """Blocking :meth:`pread`: returns the byte count or raises. Usable from any
         thread, with or without an event loop running elsewhere."""
-        return self._run(_READ, file, buf, offset)
+        return self._run(READ, file, buf, offset)
 
     def sync_pwrite(self, buf: Any, file: FileLike, offset: int = 0) -> int:
         """Blocking :meth:`pwrite`."""
-        return self._run(_WRITE, file, buf, offset)
+        return self._run(WRITE, file, buf, offset)
 
     def sync_pread_many(self, items: Iterable[tuple[Any, int]], file: FileLike) -> int:
         """Blocking :meth:`pread_many`."""
-        return self._run(_READV, file, items)
+        return self._run(READV, file, items)
 
     def sync_pwrite_many(self, items: Iterable[tuple[Any, int]], file: FileLike) -> int:
         """Blocking :meth:`pwrite_many`."""
-        return self._run(_WRITEV, file, items)
+        return self._run(WRITEV, file, items)
 
     def sync_fsync(self, file: FileLike, *, datasync: bool = False) -> None:
         """Blocking :meth:`fsync`."""
-        self._run(_FDATASYNC if datasync else _FSYNC, file)
+        self._run(FDATASYNC if datasync else FSYNC, file)
 
     def open(self, path: PathLike, mode: str = "r") -> File:
         """:func:`aionvme.open` with this handle's ``direct``, block size and
@@ -451,7 +402,7 @@ class Handle:
 
     def _sync_engines(self) -> list[Engine]:
         if self._may_share:
-            eng = _sync.thread_engine()
+            eng = thread_engine()
             if self._fits(eng):
                 return [eng]
         with self._lock:
