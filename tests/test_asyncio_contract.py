@@ -312,3 +312,28 @@ async def test_async_with_waits_for_transfers_in_flight(make_file):
         fut = f.pread(buf)
     assert fut.done()
     assert await fut == 16 * MiB
+
+
+async def test_the_cuda_transfer_object_is_coroutine_compatible_too():
+    # Transfers with CUDA tensors run as a Task subclass (no GPU needed to
+    # check the object itself): create_task, TaskGroup, gather and
+    # cancellation through the wrapping Task all work.
+    from aionvme._runtime.transfer import _DeviceTransfer
+
+    async def work() -> int:
+        await asyncio.sleep(0.001)
+        return 7
+
+    loop = asyncio.get_running_loop()
+    assert await asyncio.create_task(_DeviceTransfer(work(), loop=loop)) == 7
+    async with asyncio.TaskGroup() as tg:
+        t = tg.create_task(_DeviceTransfer(work(), loop=loop))
+    assert t.result() == 7
+    assert await asyncio.gather(_DeviceTransfer(work(), loop=loop)) == [7]
+    inner = _DeviceTransfer(asyncio.sleep(10), loop=loop)
+    outer = asyncio.create_task(inner)
+    await asyncio.sleep(0.001)
+    outer.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await outer
+    assert inner.cancelled()

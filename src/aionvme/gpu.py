@@ -39,7 +39,7 @@ from typing import Any
 
 from ._runtime import cuda, cufile, pinned
 from ._runtime.bounce import plan_pieces
-from ._runtime.cuda import any_cuda, is_cuda, require_cuda
+from ._runtime.cuda import Params, any_cuda, is_cuda, require_cuda
 from ._runtime.cufile import (
     cufile_status,
     deregister,
@@ -54,8 +54,10 @@ from ._runtime.cufile import (
 from ._runtime.pinned import PinnedPool, memlock_budget, pin, pool
 from ._runtime.transfer import run_device as run_sync
 from ._runtime.transfer import submit_device as submit
+from ._runtime.transfer import transfer_device as transfer
 
 __all__ = [
+    "Params",
     "PinnedPool",
     "any_cuda",
     "cufile_status",
@@ -77,6 +79,7 @@ __all__ = [
     "shutdown",
     "stats",
     "submit",
+    "transfer",
 ]
 
 

@@ -100,7 +100,15 @@ class Handle:
     :func:`aionvme.pread` for alignment, errors and cancellation.
 
     Defaults are read when the handle is made: ``with defaults.set(...)``
-    around the constructor shapes it.
+    around the constructor shapes it. Knobs are checked like
+    :func:`aionvme.defaults.set` checks them (:class:`~aionvme.InvalidSettingError`,
+    :class:`~aionvme.SettingTypeError` for a wrong type), from the constructor.
+
+    The async methods follow :func:`aionvme.pread`: each returns a future
+    that is also a coroutine (``await``, ``gather``, ``create_task``,
+    ``TaskGroup``, anyio...), and every error, a closed handle's
+    EngineClosedError included, arrives at the await. The ``sync_*`` twins
+    raise from the call.
     """
 
     def __init__(
@@ -153,7 +161,11 @@ class Handle:
     def from_config(cls, config: Mapping[str, Any] | str | os.PathLike[str], **overrides: Any) -> Handle:
         """A handle from a config dict or JSON file, as :func:`aionvme.defaults.read_config`
         reads it: the file ``aionvme tune`` writes, a DeepSpeed config or its
-        ``"aio"`` section as-is. Keyword arguments override the config."""
+        ``"aio"`` section as-is. Keyword arguments (this class's knob
+        names) override the config. The handle is built from its own
+        settings: the process-wide defaults are never changed, not even for a
+        moment (``threads`` and ``ring_reap`` of the config shape only this
+        handle's engines)."""
         values = defaults.read_config(config)
         given = {k: v for k, v in overrides.items() if v is not None}
         unknown = sorted(set(given) - _KNOBS)

@@ -40,6 +40,7 @@ __all__ = [
     "run_device",
     "submit",
     "submit_device",
+    "transfer_device",
 ]
 
 # What a request does (one name per operation, used by every caller).
@@ -216,7 +217,7 @@ def _device_sync(eng: Engine, fh: FileHandle, write: bool, items: list[tuple[Any
     return bounce.bounce_sync(eng, fh, write, items, p)
 
 
-async def _transfer(
+async def transfer_device(
     r: Reactor, fh: FileHandle, temporary: bool, write: bool, items: list[tuple[Any, int]], p: Params
 ) -> int:
     """Move items (buffer, offset), some of them CUDA tensors, to or from
@@ -267,7 +268,7 @@ def submit_device(
         if temporary:
             fh.close()
         return failed(e, r.loop)
-    return _DeviceTransfer(_transfer(r, fh, temporary, write, items, p), loop=r.loop)
+    return _DeviceTransfer(transfer_device(r, fh, temporary, write, items, p), loop=r.loop)
 
 
 def run_device(
