@@ -240,3 +240,27 @@ def test_allowlist_only_names_real_violations():
         if rules - set(found.get(mod, {}))
     }
     assert stale == {}, f"fixed: remove these from TEMPORARY_ALLOWLIST: {stale}"
+
+
+def test_only_the_runtime_builds_engine_requests():
+    # One road to the engine: outside aionvme._runtime nothing queues a
+    # request itself (engine.read/write/readv/writev/fsync, gds_submit) or
+    # drives one (Request, Engine.run): File, Handle, the path functions,
+    # the formats and the DeepSpeed handle go through _runtime.transfer.
+    queueing = {"read", "write", "readv", "writev", "fsync", "run"}
+    bad = []
+    for mod, tree in _trees().items():
+        if mod.startswith("aionvme._runtime") or TEMPORARY_ALLOWLIST.get(mod):
+            continue
+        for n in ast.walk(tree):
+            where = f"{MODULES[mod].relative_to(SRC)}:{getattr(n, 'lineno', 0)}"
+            if isinstance(n, ast.Attribute) and n.attr in queueing:
+                owner = n.value
+                name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+                if name in ("engine", "eng"):
+                    bad.append(f"{where}: {name}.{n.attr}")
+            if isinstance(n, ast.Attribute) and n.attr == "gds_submit":
+                bad.append(f"{where}: gds_submit")
+            if isinstance(n, ast.ImportFrom) and any(a.name in ("Request", "Engine") for a in n.names):
+                bad.append(f"{where}: imports the engine's Request/Engine")
+    assert bad == []

@@ -20,20 +20,16 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
 import warnings
-import weakref
 from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
 from . import defaults
-from ._engine import Engine
 from ._runtime import transfer
-from ._runtime.blocking import thread_engine
-from ._runtime.reactor import Reactor, adopt, current_pid, get_reactor, new_engine, running_loop
+from ._runtime.engines import HandleEngines
 from ._runtime.transfer import FDATASYNC, FSYNC, READ, READV, WRITE, WRITEV
-from .exceptions import EngineClosedError, SettingTypeError
+from .exceptions import SettingTypeError
 from .file import File, PathLike
 
 __all__ = ["FileLike", "Handle"]
@@ -139,21 +135,14 @@ class Handle:
         self._settings = s
         self._mode = transfer.mode_bits(s.single_submit, s.overlap_events)
         # The loop's shared engine can serve us only if it has our shape.
-        self._may_share = (s.queue_depth, s.threads, s.engine, s.ring_reap, s.submit_ramp) == (
+        may_share = (s.queue_depth, s.threads, s.engine, s.ring_reap, s.submit_ramp) == (
             base.queue_depth,
             base.threads,
             base.engine,
             base.ring_reap,
             base.submit_ramp,
         )
-        self._lock = threading.Lock()
-        self._closed = False
-        self._pid = os.getpid()
-        self._reactors: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Reactor] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._idle: list[Engine] = []  # private engines for blocking calls, not in use
-        self._engines: list[Engine] = []  # all of them
+        self._engines = HandleEngines(s, may_share)
 
     # -- construction from configs -------------------------------------------------
 
@@ -245,78 +234,11 @@ class Handle:
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._engines.closed
 
     def __repr__(self) -> str:
         knobs = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
-        return f"<aionvme.Handle {knobs}{' closed' if self._closed else ''}>"
-
-    # -- engines -----------------------------------------------------------------------
-
-    def _fits(self, eng: Engine) -> bool:
-        """Whether a shared engine has this handle's queue depth and backend."""
-        s = self._settings
-        if not self._may_share or eng.queue_depth != s.queue_depth:
-            return False
-        if s.engine == "thread":
-            return not eng.use_aio
-        if s.engine == "aio":
-            return bool(eng.use_aio)
-        return bool(eng.use_aio) or eng.aio_error is not None
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise EngineClosedError("the aionvme Handle is closed")
-
-    def _reactor(self) -> Reactor:
-        """The reactor serving this handle on the running loop."""
-        self._check_open()
-        loop = running_loop()  # no getpid() per call: hot path
-        if self._may_share:
-            shared = get_reactor(loop)
-            if self._fits(shared.engine):
-                return shared
-        r = self._reactors.get(loop)
-        if r is not None and not r.closed and r.pid == current_pid():
-            return r
-        with self._lock:
-            self._check_open()
-            for old_loop, old in list(self._reactors.items()):
-                if old_loop.is_closed():  # its loop is gone: nothing can await it any more
-                    old.close()
-                    del self._reactors[old_loop]
-            r = Reactor(loop, self._settings)
-            self._reactors[loop] = r
-        return r
-
-    def _take_sync_engine(self) -> tuple[Engine, bool]:
-        """(engine, pooled) for one blocking call on this thread."""
-        self._check_open()
-        if self._may_share:
-            eng = thread_engine()
-            if self._fits(eng):
-                return eng, False
-        with self._lock:
-            self._check_open()
-            if self._pid != current_pid():  # a forked child: the parent's engines were abandoned
-                self._pid = current_pid()
-                self._idle.clear()
-                self._engines.clear()
-            if self._idle:
-                eng = self._idle.pop()
-                # this thread drives it now: exit must not close it under us
-                adopt(eng)
-                return eng, True
-            eng = new_engine(self._settings)  # owned by this thread
-            self._engines.append(eng)
-            return eng, True
-
-    def _give_back(self, eng: Engine) -> None:
-        with self._lock:
-            if not self._closed and eng in self._engines:
-                self._idle.append(eng)
-                return
-        eng.close()  # the handle was closed while this call ran
+        return f"<aionvme.Handle {knobs}{' closed' if self.closed else ''}>"
 
     # -- the dispatch -------------------------------------------------------------------
 
@@ -325,15 +247,16 @@ class Handle:
         return (s.block_size, s.max_inflight, self._mode)
 
     def _submit(self, op: int, file: FileLike, data: Any = None, offset: int = 0) -> Awaitable[int]:
-        return transfer.submit(self._reactor, op, file, data, offset, self._params(), self._settings.direct)
+        r = self._engines.reactor
+        return transfer.submit(r, op, file, data, offset, self._params(), self._settings.direct)
 
     def _run(self, op: int, file: FileLike, data: Any = None, offset: int = 0) -> int:
-        eng, pooled = self._take_sync_engine()
+        eng, pooled = self._engines.take()
         try:
             return transfer.run(eng, op, file, data, offset, self._params(), self._settings.direct)
         finally:
             if pooled:
-                self._give_back(eng)
+                self._engines.give_back(eng)
 
     # -- async I/O ---------------------------------------------------------------------
 
@@ -397,12 +320,7 @@ class Handle:
         """Counters of the engine serving this handle here: the running loop's,
         or, outside a loop, the engines of blocking calls added up. Includes
         ``queue_depth`` and ``use_aio`` (False: the worker-thread pool serves)."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            engines = [] if self._closed else self._sync_engines()
-        else:
-            engines = [self._reactor().engine]
+        engines = self._engines.serving_here()
         out: dict[str, Any] = {"engines": len(engines), "queue_depth": self._settings.queue_depth}
         for i, eng in enumerate(engines):
             for k, v in eng.stats().items():
@@ -412,42 +330,13 @@ class Handle:
                     out[k] = out.get(k, 0) + v
         return out
 
-    def _sync_engines(self) -> list[Engine]:
-        if self._may_share:
-            eng = thread_engine()
-            if self._fits(eng):
-                return [eng]
-        with self._lock:
-            if not self._engines:
-                self._engines.append(new_engine(self._settings))
-                self._idle.append(self._engines[-1])
-            return list(self._engines)
-
     # -- closing -------------------------------------------------------------------------
 
     def close(self) -> None:
         """Close the engines this handle owns (shared ones stay): transfers in
         flight are waited for, queued ones fail with EngineClosedError. A loop
         running in another thread closes its engine on its own thread."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            reactors = list(self._reactors.values())
-            self._reactors.clear()
-            idle, self._idle = self._idle, []
-            self._engines.clear()
-        try:
-            current: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            current = None
-        for r in reactors:
-            if r.loop is current or r.loop.is_closed() or not r.loop.is_running():
-                r.close()
-            else:
-                r.loop.call_soon_threadsafe(r.close)
-        for eng in idle:
-            eng.close()
+        self._engines.close()
 
     async def aclose(self) -> None:
         """Close (see :meth:`close`) from async code."""
@@ -467,8 +356,7 @@ class Handle:
         await self.aclose()
 
     def __del__(self) -> None:
-        if getattr(self, "_closed", True) or os.getpid() != self._pid:
-            return
-        if self._engines or len(self._reactors):
+        engines = getattr(self, "_engines", None)
+        if engines is not None and engines.owns_some():
             warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=2, source=self)
             self.close()
