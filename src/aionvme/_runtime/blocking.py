@@ -11,7 +11,7 @@ from ..exceptions import os_error
 from . import reactor as _reactor
 from .reactor import new_engine
 
-__all__ = ["drive", "result", "run", "thread_engine"]
+__all__ = ["run", "thread_engine"]
 
 _tls = threading.local()
 
@@ -27,22 +27,13 @@ def thread_engine() -> Engine:
     return eng
 
 
-def run(req: Request) -> int:
-    """Drive req to the end; return its byte count or raise its error."""
-    return drive(thread_engine(), req)
+def run(req: Request, eng: Engine | None = None) -> int:
+    """Drive req to the end; return its byte count or raise its error.
 
-
-def drive(eng: Engine, req: Request) -> int:
-    """Drive req to the end on eng (this thread's, or one it owns now); its
-    byte count or its error."""
-    eng.run(req)
-    return result(req)
-
-
-def result(req: Request) -> int:
-    """The one "finished request -> byte count or raise" of the runtime, for
-    the async and the blocking paths alike: the request's own error, else
-    (the engine lost it, which it should never do) EIO naming the file."""
+    On eng, or this thread's engine. The one "request -> result or raise" of
+    the blocking paths (host, cuFile and bounce transfers): when the engine
+    lost the request's error, which it never should, EIO naming the file."""
+    (eng or thread_engine()).run(req)
     if req.ok:
         n: int = req.nbytes
         return n

@@ -12,7 +12,7 @@ from typing import Any
 from .._engine import Engine, FileHandle
 from ..exceptions import ShortReadError
 from . import cuda
-from .blocking import drive
+from .blocking import run as drive_request
 from .cuda import Params, flat_bytes, helper, stream, through, wait_all, wait_event
 from .pinned import PinnedPool, Slot, pool
 from .reactor import Reactor
@@ -233,10 +233,11 @@ def bounce_sync(
                     ev.record(stream)
                     ev.synchronize()
                     held = slot.array[pc.skip : pc.skip + pc.n]
-                    drive(eng, eng.write(fh, held, pc.fpos + pc.skip, block, maxinf, mode))
+                    drive_request(eng.write(fh, held, pc.fpos + pc.skip, block, maxinf, mode), eng)
                     p.release(slot)
                 else:
-                    drive(eng, eng.read(fh, slot.array[: pc.skip + pc.n], pc.fpos, block, maxinf, mode))
+                    span = slot.array[: pc.skip + pc.n]
+                    drive_request(eng.read(fh, span, pc.fpos, block, maxinf, mode), eng)
                     with torch.cuda.stream(stream):
                         user.copy_(slot.tensor[pc.skip : pc.skip + pc.n], non_blocking=p.pinned)
                     ev.record(stream)

@@ -15,7 +15,7 @@ from .. import _engine, defaults
 from .._engine import Engine, FileHandle, fstatx
 from ..exceptions import CuFileError, DeviceError
 from . import cuda
-from .blocking import drive
+from .blocking import run as drive_request
 from .cuda import Params, flat_bytes, is_cuda, require_cuda
 from .reactor import Reactor
 
@@ -393,7 +393,7 @@ def gds_sync(eng: Engine, fh: FileHandle, write: bool, items: list[tuple[Any, in
     flats, gitems = _gds_items(items)
     for d in {f.device for f in flats}:
         torch.cuda.current_stream(d).synchronize()
-    n = drive(eng, _engine.gds_submit(eng, fh, gitems, write, _gds_block(), params[1]))
+    n = drive_request(_engine.gds_submit(eng, fh, gitems, write, _gds_block(), params[1]), eng)
     cuda.stats["gds_requests"] += 1
     cuda.stats["gds_bytes"] += n
     return n

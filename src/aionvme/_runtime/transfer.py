@@ -22,7 +22,7 @@ from .. import _engine, defaults
 from .._engine import MODE_NO_OVERLAP, MODE_SINGLE_SUBMIT, Engine, FileHandle, Request
 from ..exceptions import CuFileError, ShortReadError, UnsupportedOperation
 from . import bounce, cufile
-from .blocking import drive
+from .blocking import run as drive_request
 from .cuda import Params, any_cuda, helper, is_cuda, require_cuda
 from .opening import handle_for
 from .reactor import AsCoroutine, Reactor, failed
@@ -167,7 +167,7 @@ def run(
     finally:
         if temporary:
             fh.close()
-    return drive(eng, req)
+    return drive_request(req, eng)
 
 
 # -- CUDA tensors -----------------------------------------------------------------------------
@@ -283,7 +283,7 @@ def run_device(
         if host:
             make_v = eng.writev if write else eng.readv
             try:
-                total += drive(eng, make_v(fh, [items[i] for i in host], *p))
+                total += drive_request(make_v(fh, [items[i] for i in host], *p), eng)
             except ShortReadError as e:
                 raise _renumbered(e, host, len(items)) from None
         try:
