@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import aionvme  # noqa: F401 - builds/imports the engine before tests are collected
-from aionvme import _reactor
+from aionvme._runtime import reactor as _reactor
 
 try:
     import uvloop

@@ -188,7 +188,7 @@ async def test_eio_style_errors_carry_offset(make_file):
     fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
     try:
         from aionvme._engine import KERNEL_AIO, FileHandle, Inode
-        from aionvme._reactor import get_reactor
+        from aionvme._runtime.reactor import get_reactor
 
         h = FileHandle(fd, path, KERNEL_AIO, True, True, True, 512, 512, Inode(8192))
         r = get_reactor()

@@ -38,7 +38,8 @@ import pytest
 
 import aionvme as nvme
 from aionvme import _engine, defaults, gpu
-from aionvme._reactor import get_reactor
+from aionvme._runtime import cuda, cufile
+from aionvme._runtime.reactor import get_reactor
 from aionvme.exceptions import CUFILE_ERRORS, CuFileError, DeviceError, ShortReadError, cufile_error
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,7 +156,7 @@ def test_loader_reports_why_nothing_loaded(no_cufile, tmp_path):
 
 def test_cufile_unavailable_gives_the_reason_and_the_bounce_path(no_cufile, monkeypatch, tmp_path):
     monkeypatch.setenv("AIONVME_CUFILE_LIBRARY", str(tmp_path / "missing.so"))
-    monkeypatch.setattr(gpu, "library_candidates", lambda: [str(tmp_path / "missing.so")])
+    monkeypatch.setattr(cufile, "library_candidates", lambda: [str(tmp_path / "missing.so")])
     st = gpu.cufile_status()
     assert st["mode"] is None and "could not be loaded" in st["reason"] and "missing.so" in st["reason"]
     with nvme.open(tmp_path / "f", "w+") as f:
@@ -201,7 +202,7 @@ def test_no_gpu_driver_means_no_driver_open(tmp_path, monkeypatch, no_cufile):
     if gpu.nvidia_driver_present():
         pytest.skip("an NVIDIA driver is present")
     monkeypatch.delenv("AIONVME_CUFILE_LIBRARY", raising=False)
-    monkeypatch.setattr(gpu, "library_candidates", lambda: [lib])
+    monkeypatch.setattr(cufile, "library_candidates", lambda: [lib])
     st = gpu.cufile_status()  # cuFileDriverOpen is not even tried (it can hang without a GPU)
     assert st["mode"] is None and "no NVIDIA GPU driver" in st["reason"] and st["library"] == lib
     assert _engine.gds_status()["driver_refs"] == 0
@@ -314,12 +315,12 @@ def test_stdin_survives_a_driver_that_closes_it(shim_library, tmp_path):
     r = _py(
         """
         import os
-        from aionvme import gpu
+        from aionvme import _engine, gpu
         before = os.fstat(0)
         st = gpu.cufile_status()
         after = os.fstat(0)
         print(st["mode"], (before.st_dev, before.st_ino) == (after.st_dev, after.st_ino),
-              gpu._engine.gds_status()["stdin_restored"])
+              _engine.gds_status()["stdin_restored"])
         """,
         env={"AIONVME_CUFILE_LIBRARY": str(shim_library), "SHIM_CLOSE_STDIN": "1"},
     )
@@ -439,7 +440,7 @@ async def test_gds_cancel_waits_for_chunks_in_flight(shim, monkeypatch, tmp_path
 
 
 def test_gds_blocking_twin(shim, tmp_path):
-    from aionvme import _sync
+    from aionvme._runtime import blocking as _sync
 
     data = np.random.default_rng(3).integers(0, 256, 300_001, dtype=np.uint8)
     with _registered_file(tmp_path / "b.bin") as f:
@@ -500,12 +501,12 @@ def test_buffer_registration(shim):
 
 
 def test_registered_ranges_give_cufile_their_base(monkeypatch):
-    monkeypatch.setattr(gpu, "_registered", {1 << 20: (4096, None), 8 << 20: (1 << 20, None)})
-    monkeypatch.setattr(gpu, "_registered_bases", [1 << 20, 8 << 20])
-    assert gpu._cufile_base((1 << 20) + 100, 100) == (1 << 20, 100)
-    assert gpu._cufile_base((1 << 20) + 4000, 200) == ((1 << 20) + 4000, 0)  # runs past the registration
-    assert gpu._cufile_base((8 << 20) + 512, 1 << 19) == (8 << 20, 512)
-    assert gpu._cufile_base(4096, 10) == (4096, 0)
+    monkeypatch.setattr(cufile, "_registered", {1 << 20: (4096, None), 8 << 20: (1 << 20, None)})
+    monkeypatch.setattr(cufile, "_registered_bases", [1 << 20, 8 << 20])
+    assert cufile._cufile_base((1 << 20) + 100, 100) == (1 << 20, 100)
+    assert cufile._cufile_base((1 << 20) + 4000, 200) == ((1 << 20) + 4000, 0)  # runs past the registration
+    assert cufile._cufile_base((8 << 20) + 512, 1 << 19) == (8 << 20, 512)
+    assert cufile._cufile_base(4096, 10) == (4096, 0)
 
 
 def test_info_reports_cufile_from_a_child_process(shim_library, tmp_path, monkeypatch):
@@ -611,7 +612,7 @@ async def test_through_finishes_the_wait_before_raising_cancellation():
 
     async def user():
         try:
-            await gpu._through(inner)
+            await cuda.through(inner)
         finally:
             done.append(inner.done())
 

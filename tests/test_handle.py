@@ -282,7 +282,7 @@ def test_closing_closes_the_owned_engines(make_file):
     path, _ = make_file(MiB)
     h = Handle(queue_depth=5)
     h.sync_pread(nvme.empty(MiB), path)
-    engines = list(h._engines)
+    engines = list(h._engines._engines)  # the blocking engines it owns
     h.close()
     assert engines and all(e.is_closed for e in engines)
     with pytest.raises(nvme.EngineClosedError):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import aionvme as nvme
-from aionvme import _reactor
+from aionvme._runtime import reactor as _reactor
 
 
 def reactor():
@@ -146,7 +146,7 @@ async def test_cancel_many_at_once(make_file):
             await g
         # gather's own future ends at the first cancelled child; each child
         # ends only when its chunks in flight are reaped.
-        await asyncio.wait(futs)
+        await asyncio.gather(*futs, return_exceptions=True)  # (asyncio.wait refuses coroutines)
         assert all(x.cancelled() or x.result() == 1 << 20 for x in futs)
         assert any(x.cancelled() for x in futs)
         assert nvme.stats()["inflight"] == 0

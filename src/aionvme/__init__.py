@@ -27,8 +27,10 @@ from .exceptions import (
     DeviceError,
     EngineClosedError,
     InvalidOffsetError,
+    InvalidSettingError,
     NonContiguousBufferError,
     ReadOnlyBufferError,
+    SettingTypeError,
     ShortReadError,
     ShortWriteError,
     UnsupportedOperation,
@@ -68,7 +70,7 @@ from .store import (
 
 def info(path: str | None = None, *, init_cuda: bool = False) -> dict[str, Any]:
     """What this machine offers aionvme (``aionvme info`` as a dict); see :func:`aionvme._info.info`."""
-    from ._info import info as _info
+    from .diagnostics import info as _info
 
     return _info(path, init_cuda=init_cuda)
 
@@ -87,9 +89,11 @@ __all__ = [
     "File",
     "Handle",
     "InvalidOffsetError",
+    "InvalidSettingError",
     "NonContiguousBufferError",
     "ReadOnlyBufferError",
     "SafetensorsError",
+    "SettingTypeError",
     "ShortReadError",
     "ShortWriteError",
     "StoreClosedError",

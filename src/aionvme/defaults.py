@@ -68,34 +68,161 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-__all__ = ["Settings", "get", "load_config", "parse_size", "read_config", "set", "settings"]
+from .exceptions import InvalidSettingError, SettingTypeError
+
+__all__ = [
+    "Settings",
+    "check_call",
+    "get",
+    "load_config",
+    "parse_size",
+    "positive_int",
+    "read_config",
+    "set",
+    "settings",
+    "validate",
+]
 
 _ENGINES = ("auto", "aio", "thread")
 _GPU_PATHS = ("auto", "gds", "bounce")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZES = frozenset({"block_size", "submit_budget", "inflight_bytes", "gpu_block_size", "pinned_pool"})
+_INTS = frozenset({"queue_depth", "threads", "max_inflight", "submit_batch", "submit_ramp"})
+_BOOLS = frozenset({"direct", "ring_reap", "single_submit", "overlap_events"})
+_CHOICES = {"engine": _ENGINES, "gpu_path": _GPU_PATHS}
+_BLOCK = 4096  # chunks are whole 4 KiB blocks: aligned for O_DIRECT on every device we know
+# (lowest, highest) of each integer setting; None: unbounded.
+_RANGES: dict[str, tuple[int, int | None]] = {
+    "queue_depth": (1, 65536),
+    "threads": (1, 1024),
+    "max_inflight": (0, None),
+    "submit_batch": (0, None),
+    "submit_ramp": (0, None),
+    "submit_budget": (0, None),
+    "inflight_bytes": (0, None),
+    "pinned_pool": (0, None),
+}
+# Public keyword names users pass for a setting (one name inside: the field's).
+ALIASES = {"intra_op_parallelism": "max_inflight", "parallelism": "max_inflight", "backend": "engine"}
 
 
-def parse_size(value: int | str) -> int:
-    """``4096``, ``"64K"``, ``"1M"``, ``"1MiB"``, ``"2g"`` -> bytes."""
-    if isinstance(value, bool):
-        raise TypeError("size must be an int or a string like '1M'")
+def parse_size(value: int | str, name: str = "size") -> int:
+    """``4096``, ``"64K"``, ``"1M"``, ``"1MiB"``, ``"2g"`` -> bytes.
+
+    Raises :class:`~aionvme.exceptions.SettingTypeError` for a bool, float or
+    other non-int, non-str value, :class:`~aionvme.exceptions.InvalidSettingError`
+    for a string that is not a size.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise InvalidSettingError.of_type(name, value, "an int or a string like '1M'")
     if isinstance(value, int):
         return value
-    m = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)(i?b)?\s*", str(value), re.IGNORECASE)
+    m = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)(i?b)?\s*", value, re.IGNORECASE)
     if not m:
-        raise ValueError(f"not a size: {value!r} (examples: 4096, '64K', '1M')")
+        raise InvalidSettingError(
+            f"{name}: not a size: {value!r} (examples: 4096, '64K', '1M')", name=name, value=value
+        )
     return int(m.group(1)) * _UNITS[m.group(2).lower()]
 
 
-def _parse_bool(value: str | bool) -> bool:
+def _parse_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise InvalidSettingError.of_type(name, value, "an int")
+    if isinstance(value, int):
+        return value
+    try:
+        return int(value.strip())
+    except ValueError:
+        raise InvalidSettingError(f"{name}: not an integer: {value!r}", name=name, value=value) from None
+
+
+def positive_int(name: str, value: Any) -> int:
+    """value as an int >= 1, checked like every integer setting (for knobs
+    outside :class:`Settings`, such as DeepSpeed's)."""
+    v = _parse_int(name, value)
+    if v < 1:
+        raise InvalidSettingError(f"{name} must be positive, got {v}", name=name, value=value)
+    return v
+
+
+def _parse_bool(value: str | bool, name: str = "value") -> bool:
     if isinstance(value, bool):
         return value
-    v = str(value).strip().lower()
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if not isinstance(value, str):
+        raise InvalidSettingError.of_type(name, value, "a bool")
+    v = value.strip().lower()
     if v in ("1", "true", "yes", "on"):
         return True
     if v in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"not a boolean: {value!r}")
+    raise InvalidSettingError(f"{name}: not a boolean: {value!r}", name=name, value=value)
+
+
+def validate(name: str, value: Any, label: str | None = None) -> Any:
+    """The one check of a setting's value, for every entry point: converted
+    (strings from the environment, the CLI or a config file, sizes like
+    ``"1M"``) and range-checked.
+
+    Parameters
+    ----------
+    name : str
+        A :class:`Settings` field, or a public alias (``parallelism``,
+        ``intra_op_parallelism``, ``backend``).
+    label : str, optional
+        The name the user wrote, for the message (default: ``name``).
+
+    Raises
+    ------
+    SettingTypeError
+        An unknown setting, or a value of the wrong type (bool or float for an
+        integer, ...).
+    InvalidSettingError
+        A value out of range or not parseable.
+    """
+    label = label or name
+    name = ALIASES.get(name, name)
+    if name in _SIZES:
+        v: Any = parse_size(value, label)
+        if name in ("block_size", "gpu_block_size") and (v < _BLOCK or v % _BLOCK):
+            raise InvalidSettingError(
+                f"{label} must be a positive multiple of {_BLOCK}, got {v}", name=label, value=value
+            )
+    elif name in _INTS:
+        v = _parse_int(label, value)
+    elif name in _BOOLS:
+        return _parse_bool(value, label)
+    elif name in _CHOICES:
+        if not isinstance(value, str):
+            raise InvalidSettingError.of_type(label, value, f"one of {_CHOICES[name]}")
+        v = value.strip().lower()
+        if v not in _CHOICES[name]:
+            who = name if label == name else f"{label}: {name}"
+            raise InvalidSettingError(
+                f"{who} must be one of {_CHOICES[name]}, got {value!r}", name=label, value=value
+            )
+        return v
+    else:
+        known = sorted([*(f.name for f in fields(Settings)), *ALIASES])
+        raise SettingTypeError(f"unknown setting {label!r}; known: {known}", name=label, value=value)
+    lo, hi = _RANGES.get(name, (0, None))
+    if v < lo or (hi is not None and v > hi):
+        if name == "max_inflight":
+            rule = ">= 0 (0: no cap)"
+        elif hi is None:
+            rule = f">= {lo}"
+        else:
+            rule = f"in {lo}..{hi}"
+        raise InvalidSettingError(f"{label} must be {rule}, got {v}", name=label, value=value)
+    return v
+
+
+def check_call(block_size: int | str | None, parallelism: int | None) -> tuple[int | None, int | None]:
+    """Per-call knobs (File, the path functions) checked like the defaults."""
+    block = validate("block_size", block_size) if block_size is not None else None
+    par = validate("max_inflight", parallelism, "parallelism") if parallelism is not None else None
+    return block, par
 
 
 @dataclass(frozen=True)
@@ -118,50 +245,21 @@ class Settings:
     pinned_pool: int = 64 << 20
 
     def __post_init__(self) -> None:
-        if self.block_size < 4096 or self.block_size % 4096:
-            raise ValueError(f"block_size must be a positive multiple of 4096, got {self.block_size}")
-        if not 1 <= self.queue_depth <= 65536:
-            raise ValueError(f"queue_depth must be in 1..65536, got {self.queue_depth}")
-        if not 1 <= self.threads <= 1024:
-            raise ValueError(f"threads must be in 1..1024, got {self.threads}")
-        if self.engine not in _ENGINES:
-            raise ValueError(f"engine must be one of {_ENGINES}, got {self.engine!r}")
-        if self.max_inflight < 0:
-            raise ValueError(f"max_inflight must be >= 0, got {self.max_inflight}")
-        if self.submit_batch < 0:
-            raise ValueError(f"submit_batch must be >= 0, got {self.submit_batch}")
-        if self.submit_ramp < 0:
-            raise ValueError(f"submit_ramp must be >= 0, got {self.submit_ramp}")
-        if self.submit_budget < 0 or self.inflight_bytes < 0:
-            raise ValueError("submit_budget and inflight_bytes must be >= 0 (0: no limit)")
-        if self.gpu_path not in _GPU_PATHS:
-            raise ValueError(f"gpu_path must be one of {_GPU_PATHS}, got {self.gpu_path!r}")
-        if self.gpu_block_size < 4096 or self.gpu_block_size % 4096:
-            raise ValueError(f"gpu_block_size must be a positive multiple of 4096, got {self.gpu_block_size}")
+        for f in fields(self):
+            object.__setattr__(self, f.name, validate(f.name, getattr(self, f.name)))
         if self.pinned_pool < 2 * self.gpu_block_size:
-            raise ValueError(
+            raise InvalidSettingError(
                 f"pinned_pool ({self.pinned_pool}) must hold at least two gpu_block_size buffers "
-                f"({2 * self.gpu_block_size}): one is read while the other is copied"
+                f"({2 * self.gpu_block_size}): one is read while the other is copied",
+                name="pinned_pool",
+                value=self.pinned_pool,
             )
 
     @classmethod
     def coerce(cls, **values: Any) -> dict[str, Any]:
-        """Validate and convert user-supplied values (strings from env/CLI)."""
-        names = {f.name for f in fields(cls)}
-        out: dict[str, Any] = {}
-        for k, v in values.items():
-            if k not in names:
-                raise TypeError(f"unknown setting {k!r}; known: {sorted(names)}")
-            if k in ("block_size", "submit_budget", "inflight_bytes", "gpu_block_size", "pinned_pool"):
-                v = parse_size(v)
-            elif k in ("queue_depth", "threads", "max_inflight", "submit_batch", "submit_ramp"):
-                v = int(v)
-            elif k in ("direct", "ring_reap", "single_submit", "overlap_events"):
-                v = _parse_bool(v)
-            elif k in ("engine", "gpu_path"):
-                v = str(v).lower()
-            out[k] = v
-        return out
+        """Validate and convert user-supplied values (strings from env/CLI);
+        public aliases (``intra_op_parallelism``, ``backend``) are accepted."""
+        return {ALIASES.get(k, k): validate(k, v) for k, v in values.items()}
 
 
 def _from_env(environ: Mapping[str, str]) -> Settings:
@@ -169,8 +267,16 @@ def _from_env(environ: Mapping[str, str]) -> Settings:
     for f in fields(Settings):
         env = "AIONVME_" + f.name.upper()
         if env in environ:
-            values[f.name] = environ[env]
-    return Settings(**Settings.coerce(**values))
+            raw = environ[env]
+            try:
+                values[f.name] = validate(f.name, raw)
+            except InvalidSettingError as e:
+                raise type(e)(f"{env}={raw!r}: {e}", name=f.name, value=raw, variable=env) from None
+    try:
+        return Settings(**values)
+    except InvalidSettingError as e:
+        names = ", ".join(f"AIONVME_{k.upper()}" for k in values) or "the defaults"
+        raise InvalidSettingError(f"{names}: {e}", name=e.name, value=e.value, variable=names) from None
 
 
 _lock = threading.Lock()
@@ -266,7 +372,7 @@ def read_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str,
             try:
                 config = json.load(f)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: not a JSON config: {e}") from None
+                raise InvalidSettingError(f"{path}: not a JSON config: {e}", value=path) from None
     if not isinstance(config, Mapping):
         raise TypeError(f"a config is a dict or a JSON file path, not {type(config).__name__}")
     if "aionvme" in config:
@@ -285,7 +391,9 @@ def _from_aionvme(section: Any) -> dict[str, Any]:
     values = {_HANDLE_NAMES.get(str(k), str(k)): v for k, v in section.items()}
     unknown = sorted(frozenset(values) - names)
     if unknown:
-        raise ValueError(f"unknown aionvme settings {unknown}; known: {sorted([*names, *_HANDLE_NAMES])}")
+        raise SettingTypeError(
+            f"unknown aionvme settings {unknown}; known: {sorted([*names, *_HANDLE_NAMES])}", value=unknown
+        )
     out = Settings.coerce(**values)
     replace(settings, **out)  # validates ranges
     return out
@@ -297,7 +405,9 @@ def _from_deepspeed(section: Any) -> dict[str, Any]:
     unknown = sorted(frozenset(section) - _DS_KEYS)
     if unknown:
         known = sorted(DEEPSPEED_AIO_DEFAULTS)
-        raise ValueError(f"unknown keys in the DeepSpeed aio section: {unknown}; DeepSpeed reads {known}")
+        raise SettingTypeError(
+            f"unknown keys in the DeepSpeed aio section: {unknown}; DeepSpeed reads {known}", value=unknown
+        )
     aio = dict(DEEPSPEED_AIO_DEFAULTS)
     for key, v in section.items():
         k = str(key)
@@ -309,9 +419,11 @@ def _from_deepspeed(section: Any) -> dict[str, Any]:
                 stacklevel=3,
             )
         aio[_DS_ALIASES.get(k, k)] = v
-    block = parse_size(aio["block_size"])
-    depth = int(aio["queue_depth"]) * max(1, int(aio["intra_op_parallelism"]))
-    if _parse_bool(aio["use_gds"]):
+    block = parse_size(aio["block_size"], "block_size")
+    depth = _parse_int("queue_depth", aio["queue_depth"]) * max(
+        1, _parse_int("intra_op_parallelism", aio["intra_op_parallelism"])
+    )
+    if _parse_bool(aio["use_gds"], "use_gds"):
         warnings.warn(
             "use_gds: this section's knobs apply to host I/O; aionvme moves CUDA tensors with "
             "GPUDirect Storage by itself where available (aionvme.defaults gpu_path='auto', or 'gds' "

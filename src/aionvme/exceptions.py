@@ -22,8 +22,10 @@ __all__ = [
     "DeviceError",
     "EngineClosedError",
     "InvalidOffsetError",
+    "InvalidSettingError",
     "NonContiguousBufferError",
     "ReadOnlyBufferError",
+    "SettingTypeError",
     "ShortReadError",
     "ShortWriteError",
     "UnsupportedOperation",
@@ -65,7 +67,51 @@ class EngineClosedError(AionvmeError, RuntimeError):
 
 
 class UnsupportedOperation(AionvmeError, io.UnsupportedOperation):
-    """Writing to a file opened read-only, or reading one opened write-only."""
+    """Writing to a file opened read-only, or reading one opened write-only.
+
+    ``filename`` names the file (it is an OSError, like io's).
+    """
+
+
+class InvalidSettingError(AionvmeError, ValueError):
+    """A knob or mode aionvme cannot use: a block size that is not a positive
+    multiple of 4096, a negative parallelism, an unknown engine, a bad
+    ``AIONVME_*`` environment value, an invalid open mode...
+
+    Every entry point (the path functions, :class:`~aionvme.File`,
+    :class:`~aionvme.Handle`, :mod:`~aionvme.defaults`, the DeepSpeed handle)
+    checks its knobs with the same rules and raises this, or
+    :class:`SettingTypeError` for a value of the wrong type.
+
+    Attributes
+    ----------
+    name : str or None
+        The setting (``"block_size"``, ``"parallelism"``, ``"mode"``...).
+    value : object
+        The value given.
+    variable : str or None
+        The environment variable it came from, if any.
+    """
+
+    def __init__(
+        self, message: str, *, name: str | None = None, value: object = None, variable: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.name = name
+        self.value = value
+        self.variable = variable
+
+    @classmethod
+    def of_type(cls, name: str, value: object, wanted: str) -> SettingTypeError:
+        """The error for a value of the wrong type."""
+        return SettingTypeError(
+            f"{name} must be {wanted}, not {type(value).__name__} ({value!r})", name=name, value=value
+        )
+
+
+class SettingTypeError(InvalidSettingError, TypeError):
+    """A knob of the wrong type (a float or bool where an int is needed, an
+    unknown setting name): both an :class:`InvalidSettingError` and a TypeError."""
 
 
 class ShortReadError(AionvmeError, EOFError):

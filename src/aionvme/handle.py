@@ -19,29 +19,40 @@ calling at the same time), made on first use and closed by :meth:`close`.
 from __future__ import annotations
 
 import asyncio
-import errno
 import os
-import threading
 import warnings
-import weakref
 from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from . import _reactor as _rx
-from . import _sync, defaults, gpu
-from ._engine import MODE_NO_OVERLAP, MODE_SINGLE_SUBMIT, Engine, FileHandle, Request
-from ._reactor import Reactor, get_reactor, new_engine, running_loop
-from .exceptions import EngineClosedError, os_error
-from .file import File, PathLike, _handle_for, open_handle
+from . import defaults
+from ._runtime import transfer
+from ._runtime.engines import HandleEngines
+from ._runtime.transfer import FDATASYNC, FSYNC, READ, READV, WRITE, WRITEV
+from .exceptions import SettingTypeError
+from .file import File, PathLike
 
-__all__ = ["Handle"]
+__all__ = ["FileLike", "Handle"]
 
 FileLike = File | PathLike | int
 
-# Request kinds (what _make builds on an engine).
-_READ, _WRITE, _READV, _WRITEV, _FSYNC, _FDATASYNC = range(6)
-_WRITES = (_WRITE, _WRITEV)
+# Handle's keyword names (public; Settings fields inside: see defaults.ALIASES).
+_KNOBS = frozenset(
+    {
+        "block_size",
+        "queue_depth",
+        "single_submit",
+        "overlap_events",
+        "intra_op_parallelism",
+        "direct",
+        "backend",
+    }
+)
+# What from_config takes from a config: the knobs, and two that shape engines.
+_FROM_CONFIG = frozenset(
+    {"block_size", "queue_depth", "single_submit", "overlap_events", "max_inflight", "direct", "engine"}
+    | {"threads", "ring_reap"}
+)
 
 
 class Handle:
@@ -85,7 +96,15 @@ class Handle:
     :func:`aionvme.pread` for alignment, errors and cancellation.
 
     Defaults are read when the handle is made: ``with defaults.set(...)``
-    around the constructor shapes it.
+    around the constructor shapes it. Knobs are checked like
+    :func:`aionvme.defaults.set` checks them (:class:`~aionvme.InvalidSettingError`,
+    :class:`~aionvme.SettingTypeError` for a wrong type), from the constructor.
+
+    The async methods follow :func:`aionvme.pread`: each returns a future
+    that is also a coroutine (``await``, ``gather``, ``create_task``,
+    ``TaskGroup``, anyio...), and every error, a closed handle's
+    EngineClosedError included, arrives at the await. The ``sync_*`` twins
+    raise from the call.
     """
 
     def __init__(
@@ -103,34 +122,27 @@ class Handle:
             "queue_depth": queue_depth,
             "single_submit": single_submit,
             "overlap_events": overlap_events,
-            "max_inflight": intra_op_parallelism,
+            "intra_op_parallelism": intra_op_parallelism,
             "direct": direct,
-            "engine": backend,
+            "backend": backend,
         }
         base = defaults.settings
-        self._settings = replace(
-            base, **defaults.Settings.coerce(**{k: v for k, v in given.items() if v is not None})
-        )
-        s = self._settings
-        self._mode = (MODE_SINGLE_SUBMIT if s.single_submit else 0) | (
-            0 if s.overlap_events else MODE_NO_OVERLAP
-        )
+        s = replace(base, **defaults.Settings.coerce(**{k: v for k, v in given.items() if v is not None}))
+        self._setup(s, base)
+
+    def _setup(self, s: defaults.Settings, base: defaults.Settings) -> None:
+        """Shape the handle by s; base: the defaults the loops' shared engines have."""
+        self._settings = s
+        self._mode = transfer.mode_bits(s.single_submit, s.overlap_events)
         # The loop's shared engine can serve us only if it has our shape.
-        self._may_share = (s.queue_depth, s.threads, s.engine, s.ring_reap, s.submit_ramp) == (
+        may_share = (s.queue_depth, s.threads, s.engine, s.ring_reap, s.submit_ramp) == (
             base.queue_depth,
             base.threads,
             base.engine,
             base.ring_reap,
             base.submit_ramp,
         )
-        self._lock = threading.Lock()
-        self._closed = False
-        self._pid = os.getpid()
-        self._reactors: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Reactor] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._idle: list[Engine] = []  # private engines for blocking calls, not in use
-        self._engines: list[Engine] = []  # all of them
+        self._engines = HandleEngines(s, may_share)
 
     # -- construction from configs -------------------------------------------------
 
@@ -138,22 +150,24 @@ class Handle:
     def from_config(cls, config: Mapping[str, Any] | str | os.PathLike[str], **overrides: Any) -> Handle:
         """A handle from a config dict or JSON file, as :func:`aionvme.defaults.read_config`
         reads it: the file ``aionvme tune`` writes, a DeepSpeed config or its
-        ``"aio"`` section as-is. Keyword arguments override the config."""
+        ``"aio"`` section as-is. Keyword arguments (this class's knob
+        names) override the config. The handle is built from its own
+        settings: the process-wide defaults are never changed, not even for a
+        moment (``threads`` and ``ring_reap`` of the config shape only this
+        handle's engines)."""
         values = defaults.read_config(config)
-        kw: dict[str, Any] = {
-            "block_size": values.get("block_size"),
-            "queue_depth": values.get("queue_depth"),
-            "single_submit": values.get("single_submit"),
-            "overlap_events": values.get("overlap_events"),
-            "intra_op_parallelism": values.get("max_inflight"),
-            "direct": values.get("direct"),
-            "backend": values.get("engine"),
-        }
-        if "threads" in values or "ring_reap" in values:
-            extra = {k: values[k] for k in ("threads", "ring_reap") if k in values}
-            with defaults.set(**extra):
-                return cls(**{**kw, **overrides})
-        return cls(**{**kw, **overrides})
+        given = {k: v for k, v in overrides.items() if v is not None}
+        unknown = sorted(set(given) - _KNOBS)
+        if unknown:
+            raise SettingTypeError(f"unknown Handle knobs {unknown}; known: {sorted(_KNOBS)}", value=unknown)
+        base = defaults.settings
+        # threads and ring_reap shape this handle's engines: applied to its own
+        # Settings, never to the process-wide defaults (another thread would see them).
+        s = replace(base, **{k: v for k, v in values.items() if k in _FROM_CONFIG})
+        s = replace(s, **defaults.Settings.coerce(**given))
+        h = cls.__new__(cls)
+        h._setup(s, base)
+        return h
 
     def config(self) -> dict[str, Any]:
         """This handle's knobs, as a dict that :meth:`from_config` reads back."""
@@ -220,156 +234,29 @@ class Handle:
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._engines.closed
 
     def __repr__(self) -> str:
         knobs = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
-        return f"<aionvme.Handle {knobs}{' closed' if self._closed else ''}>"
+        return f"<aionvme.Handle {knobs}{' closed' if self.closed else ''}>"
 
-    # -- engines -----------------------------------------------------------------------
+    # -- the dispatch -------------------------------------------------------------------
 
-    def _fits(self, eng: Engine) -> bool:
-        """Whether a shared engine has this handle's queue depth and backend."""
-        s = self._settings
-        if not self._may_share or eng.queue_depth != s.queue_depth:
-            return False
-        if s.engine == "thread":
-            return not eng.use_aio
-        if s.engine == "aio":
-            return bool(eng.use_aio)
-        return bool(eng.use_aio) or eng.aio_error is not None
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise EngineClosedError("the aionvme Handle is closed")
-
-    def _reactor(self) -> Reactor:
-        """The reactor serving this handle on the running loop."""
-        self._check_open()
-        loop = running_loop()  # no getpid() per call: hot path
-        if self._may_share:
-            shared = get_reactor(loop)
-            if self._fits(shared.engine):
-                return shared
-        r = self._reactors.get(loop)
-        if r is not None and not r.closed and r.pid == _rx._pid:
-            return r
-        with self._lock:
-            self._check_open()
-            for old_loop, old in list(self._reactors.items()):
-                if old_loop.is_closed():  # its loop is gone: nothing can await it any more
-                    old.close()
-                    del self._reactors[old_loop]
-            r = Reactor(loop, self._settings)
-            self._reactors[loop] = r
-        return r
-
-    def _take_sync_engine(self) -> tuple[Engine, bool]:
-        """(engine, pooled) for one blocking call on this thread."""
-        self._check_open()
-        if self._may_share:
-            eng = _sync.thread_engine()
-            if self._fits(eng):
-                return eng, False
-        with self._lock:
-            self._check_open()
-            if self._pid != _rx._pid:  # a forked child: the parent's engines were abandoned
-                self._pid = _rx._pid
-                self._idle.clear()
-                self._engines.clear()
-            if self._idle:
-                eng = self._idle.pop()
-                # this thread drives it now: exit must not close it under us
-                _rx._owners[eng] = threading.get_ident()
-                return eng, True
-            eng = new_engine(self._settings)  # owned by this thread
-            self._engines.append(eng)
-            return eng, True
-
-    def _give_back(self, eng: Engine) -> None:
-        with self._lock:
-            if not self._closed and eng in self._engines:
-                self._idle.append(eng)
-                return
-        eng.close()  # the handle was closed while this call ran
-
-    # -- building requests --------------------------------------------------------------
-
-    def _open(self, file: FileLike, write: bool) -> tuple[FileHandle, bool]:
-        """(file handle, temporary) for a path, File or fd."""
-        if isinstance(file, (str, bytes, os.PathLike)):
-            flags = os.O_RDWR | os.O_CREAT if write else os.O_RDONLY
-            h, _ = open_handle(file, flags, True, write, self._settings.direct)
-            return h, True
-        return _handle_for(file, write)
-
-    def _make(self, eng: Engine, kind: int, file: FileLike, data: Any = None, offset: int = 0) -> Request:
-        """Queue one request on eng; a path is opened for it and closed after it."""
-        fh, temporary = self._open(file, kind in _WRITES)
-        try:
-            return self._queue(eng, kind, fh, data, offset)
-        finally:
-            if temporary:
-                fh.close()  # deferred until the request has finished
-
-    def _queue(self, eng: Engine, kind: int, fh: FileHandle, data: Any = None, offset: int = 0) -> Request:
-        """Queue one request on an open file handle with this handle's knobs."""
-        p = self._params()
-        if kind == _READ:
-            return eng.read(fh, data, offset, *p)
-        if kind == _WRITE:
-            return eng.write(fh, data, offset, *p)
-        if kind == _READV:
-            return eng.readv(fh, data, *p)
-        if kind == _WRITEV:
-            return eng.writev(fh, data, *p)
-        return eng.fsync(fh, kind == _FDATASYNC)
-
-    def _gpu_items(self, kind: int, data: Any, offset: int) -> list[tuple[Any, int]] | None:
-        """The (buffer, offset) items of a transfer holding CUDA tensors, else None."""
-        if kind in (_READ, _WRITE):
-            return [(data, offset)] if gpu.is_cuda(data) else None
-        if kind in (_READV, _WRITEV):
-            return data if gpu.any_cuda(data) else None  # data: a list (see _submit)
-        return None
-
-    def _params(self) -> tuple[int, int, int]:
+    def _params(self) -> transfer.Params:
         s = self._settings
         return (s.block_size, s.max_inflight, self._mode)
 
-    def _submit(self, kind: int, file: FileLike, data: Any = None, offset: int = 0) -> Awaitable[int]:
-        r = self._reactor()
-        if kind in (_READV, _WRITEV):
-            data = list(data)
-        items = self._gpu_items(kind, data, offset)
-        if items is not None:
-            fh, temporary = self._open(file, kind in _WRITES)
-            return gpu.submit(r, fh, temporary, kind in _WRITES, items, self._params())
-        return r.submit(self._make(r.engine, kind, file, data, offset))
+    def _submit(self, op: int, file: FileLike, data: Any = None, offset: int = 0) -> Awaitable[int]:
+        r = self._engines.reactor
+        return transfer.submit(r, op, file, data, offset, self._params(), self._settings.direct)
 
-    def _run(self, kind: int, file: FileLike, data: Any = None, offset: int = 0) -> int:
-        eng, pooled = self._take_sync_engine()
-        if kind in (_READV, _WRITEV):
-            data = list(data)
-        items = self._gpu_items(kind, data, offset)
-        if items is not None:
-            try:
-                fh, temporary = self._open(file, kind in _WRITES)
-                return gpu.run_sync(eng, fh, temporary, kind in _WRITES, items, self._params())
-            finally:
-                if pooled:
-                    self._give_back(eng)
+    def _run(self, op: int, file: FileLike, data: Any = None, offset: int = 0) -> int:
+        eng, pooled = self._engines.take()
         try:
-            req = self._make(eng, kind, file, data, offset)
-            eng.run(req)
+            return transfer.run(eng, op, file, data, offset, self._params(), self._settings.direct)
         finally:
             if pooled:
-                self._give_back(eng)
-        if req.ok:
-            n: int = req.nbytes
-            return n
-        exc = req.exception()
-        raise exc if exc is not None else os_error(errno.EIO, req.file.path, op=req.op)
+                self._engines.give_back(eng)
 
     # -- async I/O ---------------------------------------------------------------------
 
@@ -379,46 +266,46 @@ class Handle:
         Raises ShortReadError if the file ends first, OSError subclasses for I/O
         errors. Cancelling waits for the chunks in flight (see :func:`aionvme.pread`).
         """
-        return self._submit(_READ, file, buf, offset)
+        return self._submit(READ, file, buf, offset)
 
     def pwrite(self, buf: Any, file: FileLike, offset: int = 0) -> Awaitable[int]:
         """Write all of buf to file at offset (a path is created if needed; never truncated)."""
-        return self._submit(_WRITE, file, buf, offset)
+        return self._submit(WRITE, file, buf, offset)
 
     def pread_many(self, items: Iterable[tuple[Any, int]], file: FileLike) -> Awaitable[int]:
         """Fill each (buffer, offset) pair from file; one awaitable for the batch."""
-        return self._submit(_READV, file, items)
+        return self._submit(READV, file, items)
 
     def pwrite_many(self, items: Iterable[tuple[Any, int]], file: FileLike) -> Awaitable[int]:
         """Write each (buffer, offset) pair to file; one awaitable for the batch."""
-        return self._submit(_WRITEV, file, items)
+        return self._submit(WRITEV, file, items)
 
     def fsync(self, file: FileLike, *, datasync: bool = False) -> Awaitable[int]:
         """fsync (or fdatasync) file on a worker thread."""
-        return self._submit(_FDATASYNC if datasync else _FSYNC, file)
+        return self._submit(FDATASYNC if datasync else FSYNC, file)
 
     # -- blocking I/O (no event loop needed; waits with the GIL released) --------------
 
     def sync_pread(self, buf: Any, file: FileLike, offset: int = 0) -> int:
         """Blocking :meth:`pread`: returns the byte count or raises. Usable from any
         thread, with or without an event loop running elsewhere."""
-        return self._run(_READ, file, buf, offset)
+        return self._run(READ, file, buf, offset)
 
     def sync_pwrite(self, buf: Any, file: FileLike, offset: int = 0) -> int:
         """Blocking :meth:`pwrite`."""
-        return self._run(_WRITE, file, buf, offset)
+        return self._run(WRITE, file, buf, offset)
 
     def sync_pread_many(self, items: Iterable[tuple[Any, int]], file: FileLike) -> int:
         """Blocking :meth:`pread_many`."""
-        return self._run(_READV, file, items)
+        return self._run(READV, file, items)
 
     def sync_pwrite_many(self, items: Iterable[tuple[Any, int]], file: FileLike) -> int:
         """Blocking :meth:`pwrite_many`."""
-        return self._run(_WRITEV, file, items)
+        return self._run(WRITEV, file, items)
 
     def sync_fsync(self, file: FileLike, *, datasync: bool = False) -> None:
         """Blocking :meth:`fsync`."""
-        self._run(_FDATASYNC if datasync else _FSYNC, file)
+        self._run(FDATASYNC if datasync else FSYNC, file)
 
     def open(self, path: PathLike, mode: str = "r") -> File:
         """:func:`aionvme.open` with this handle's ``direct``, block size and
@@ -433,12 +320,7 @@ class Handle:
         """Counters of the engine serving this handle here: the running loop's,
         or, outside a loop, the engines of blocking calls added up. Includes
         ``queue_depth`` and ``use_aio`` (False: the worker-thread pool serves)."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            engines = [] if self._closed else self._sync_engines()
-        else:
-            engines = [self._reactor().engine]
+        engines = self._engines.serving_here()
         out: dict[str, Any] = {"engines": len(engines), "queue_depth": self._settings.queue_depth}
         for i, eng in enumerate(engines):
             for k, v in eng.stats().items():
@@ -448,42 +330,13 @@ class Handle:
                     out[k] = out.get(k, 0) + v
         return out
 
-    def _sync_engines(self) -> list[Engine]:
-        if self._may_share:
-            eng = _sync.thread_engine()
-            if self._fits(eng):
-                return [eng]
-        with self._lock:
-            if not self._engines:
-                self._engines.append(new_engine(self._settings))
-                self._idle.append(self._engines[-1])
-            return list(self._engines)
-
     # -- closing -------------------------------------------------------------------------
 
     def close(self) -> None:
         """Close the engines this handle owns (shared ones stay): transfers in
         flight are waited for, queued ones fail with EngineClosedError. A loop
         running in another thread closes its engine on its own thread."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            reactors = list(self._reactors.values())
-            self._reactors.clear()
-            idle, self._idle = self._idle, []
-            self._engines.clear()
-        try:
-            current: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            current = None
-        for r in reactors:
-            if r.loop is current or r.loop.is_closed() or not r.loop.is_running():
-                r.close()
-            else:
-                r.loop.call_soon_threadsafe(r.close)
-        for eng in idle:
-            eng.close()
+        self._engines.close()
 
     async def aclose(self) -> None:
         """Close (see :meth:`close`) from async code."""
@@ -503,8 +356,7 @@ class Handle:
         await self.aclose()
 
     def __del__(self) -> None:
-        if getattr(self, "_closed", True) or os.getpid() != self._pid:
-            return
-        if self._engines or len(self._reactors):
+        engines = getattr(self, "_engines", None)
+        if engines is not None and engines.owns_some():
             warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=2, source=self)
             self.close()

@@ -10,11 +10,13 @@ from typing import Any
 import numpy as np
 
 from ._engine import AlignedBuffer
+from ._runtime.pinned import pin
 
-__all__ = ["AlignedBuffer", "empty", "is_aligned"]
+__all__ = ["AlignedBuffer", "empty", "is_aligned", "torch_dtype"]
 
 
-def _torch_dtype(dtype: Any) -> Any:
+def torch_dtype(dtype: Any) -> Any:
+    """The torch dtype for a torch dtype, its name ('bfloat16') or a numpy dtype."""
     import torch
 
     if isinstance(dtype, torch.dtype):
@@ -22,6 +24,9 @@ def _torch_dtype(dtype: Any) -> Any:
     if isinstance(dtype, str) and hasattr(torch, dtype):
         return getattr(torch, dtype)
     return torch.from_numpy(np.empty(0, dtype=np.dtype(dtype))).dtype
+
+
+_torch_dtype = torch_dtype  # the name formats/ used before
 
 
 def empty(
@@ -68,13 +73,11 @@ def empty(
     if like == "torch":
         import torch
 
-        tdt = _torch_dtype(dtype)
+        tdt = torch_dtype(dtype)
         itemsize = torch.empty(0, dtype=tdt).element_size()
         buf = AlignedBuffer(count * itemsize)
         if pinned:
-            from . import gpu
-
-            gpu.pin(buf)  # DeviceError without CUDA; unpinned again just before the pages go
+            pin(buf)  # DeviceError without CUDA; unpinned again just before the pages go
         raw = np.frombuffer(memoryview(buf), dtype=np.uint8)
         return torch.from_numpy(raw).view(tdt).reshape(shp)
     raise ValueError(f"like must be 'numpy' or 'torch', got {like!r}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from ._reactor import get_reactor
+from ._runtime.reactor import get_reactor
 
 __all__ = ["aclose", "stats"]
 

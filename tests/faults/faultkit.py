@@ -330,7 +330,7 @@ async def responsiveness(work, *, attempts: int = 3, limit: float = 0.005, perio
     run-delay correction misses does not. The probe's lateness, with a
     baseline taken just before without I/O, is reported for the record.
     """
-    from aionvme import _reactor
+    from aionvme._runtime import reactor as _reactor
 
     tries = []
     for _ in range(attempts):

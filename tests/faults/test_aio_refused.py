@@ -43,7 +43,8 @@ def refuse_io_setup(err, nr, arch):
 ROUND_TRIPS = """
 import asyncio, json, os, sys, numpy as np, uvloop
 import aionvme as nvme
-from aionvme import _reactor, _sync
+from aionvme._runtime import blocking as _sync
+from aionvme._runtime import reactor as _reactor
 
 path = sys.argv[1]
 data = np.random.default_rng(1).integers(0, 256, (3 << 20) + 77, dtype=np.uint8)
@@ -131,7 +132,7 @@ def test_aio_max_nr_exhausted(tmp_path, aio_max_nr):
     # restores it again whatever happens.
     wrapper = """
 from pathlib import Path
-from aionvme import _reactor
+from aionvme._runtime import reactor as _reactor
 knob = Path("/proc/sys/fs/aio-max-nr")
 saved = knob.read_text()
 _real = _reactor.Engine

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import aionvme as nvme
-from aionvme import _reactor, atomic
+from aionvme import atomic
+from aionvme._runtime import reactor as _reactor
 
 from .faultkit import SHUTDOWN_NOLOGFLUSH, blkio_throttle
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import aionvme as nvme
-from aionvme import _reactor
+from aionvme._runtime import reactor as _reactor
 
 from .faultkit import SHUTDOWN_NOLOGFLUSH, blkio_throttle, fiemap
 

@@ -14,8 +14,8 @@ import pytest
 import uvloop
 
 import aionvme as nvme
-from aionvme import _reactor
 from aionvme._engine import open_handles
+from aionvme._runtime import reactor as _reactor
 
 from .faultkit import run_python
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import aionvme as nvme
-from aionvme import _engine, _reactor
+from aionvme import _engine
+from aionvme._runtime import reactor as _reactor
 
 MiB = 1 << 20
 
@@ -86,7 +87,7 @@ async def test_cancel_while_chunks_wait_for_room(small_context, make_file):
     await asyncio.sleep(0.001)
     for fut in futs:
         fut.cancel()
-    await asyncio.wait(futs)
+    await asyncio.gather(*futs, return_exceptions=True)  # (asyncio.wait refuses coroutines)
     snaps = [b.copy() for b in bufs]
     s = nvme.stats()
     assert s["inflight"] == 0 and s["live_requests"] == 0

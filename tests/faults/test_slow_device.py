@@ -43,6 +43,9 @@ async def test_loop_stays_responsive_on_a_throttled_device(loopfs, drop_caches):
     small = [_touched(4096) for _ in range(256)]
     odd = np.zeros(3 * MiB + 5, np.uint8)
     wsrc = _touched(2 * MiB)
+    # what is already there: a noisy attempt is run again by responsiveness(),
+    # and its reads must find the file as the first attempt did
+    wsrc[:] = data[12 * MiB : 14 * MiB]
     offs = np.random.default_rng(9).integers(0, 4095, 256) * 4096
 
     async def work() -> None:

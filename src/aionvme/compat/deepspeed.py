@@ -56,8 +56,10 @@ import weakref
 from typing import Any
 
 from .._engine import AlignedBuffer
+from .._runtime.opening import handle_for
+from ..defaults import positive_int
 from ..exceptions import AionvmeError
-from ..handle import _READ, _WRITE, FileLike, Handle
+from ..handle import FileLike, Handle
 
 __all__ = [
     "ValidationError",
@@ -356,16 +358,13 @@ class aio_handle:  # DeepSpeed's name, lower case
         overlap_events: bool = False,
         intra_op_parallelism: int = 1,
     ) -> None:
-        for name, v in (("block_size", block_size), ("queue_depth", queue_depth)):
-            if int(v) <= 0:
-                raise ValueError(f"{name} must be positive, got {v}")
-        if int(intra_op_parallelism) <= 0:
-            raise ValueError(f"intra_op_parallelism must be positive, got {intra_op_parallelism}")
-        self._block_size = int(block_size)
-        self._queue_depth = int(queue_depth)
+        # The knobs are checked as aionvme checks its own (InvalidSettingError);
+        # DeepNVMe's block size needs no 4 KiB multiple: it is rounded up below.
+        self._block_size = positive_int("block_size", block_size)
+        self._queue_depth = positive_int("queue_depth", queue_depth)
         self._single_submit = bool(single_submit)
         self._overlap_events = bool(overlap_events)
-        self._parallelism = int(intra_op_parallelism)
+        self._parallelism = positive_int("intra_op_parallelism", intra_op_parallelism)
         depth = self._queue_depth * self._parallelism
         self._handle = Handle(
             block_size=-(-self._block_size // 4096) * 4096,
@@ -414,18 +413,17 @@ class aio_handle:  # DeepSpeed's name, lower case
     def _start(self, read: bool, buffer: Any, file: FileLike, validate: bool, offset: int) -> None:
         staging = _staged(buffer, read)
         target = buffer if staging is None else staging
-        fh, temporary = self._handle._open(file, write=not read)  # open errors raise here, now
+        # open errors raise here, now (DeepNVMe's calls fail at once too)
+        fh, temporary = handle_for(file, write=not read, direct=self._handle.direct)
+        opened: Any = fh  # the calls take the engine's open handle as they take a File
         handle = self._handle
 
         async def run() -> int:
-            r = handle._reactor()
             try:
-                req = handle._queue(r.engine, _READ if read else _WRITE, fh, target, offset)
+                return await (handle.pread if read else handle.pwrite)(target, opened, offset)
             finally:
                 if temporary:
                     fh.close()  # deferred until the request has finished
-            n: int = await r.submit(req)
-            return n
 
         try:
             future = asyncio.run_coroutine_threadsafe(run(), _background().loop)

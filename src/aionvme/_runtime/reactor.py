@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections.abc
 import contextlib
 import os
 import sys
@@ -24,11 +25,11 @@ import threading
 import weakref
 from typing import Any
 
-from . import defaults
-from ._engine import Engine, Request, deliver
-from .exceptions import EngineClosedError
+from .. import defaults
+from .._engine import Engine, Request, deliver
+from ..exceptions import EngineClosedError
 
-__all__ = ["Reactor", "get_reactor", "new_engine"]
+__all__ = ["AsCoroutine", "Reactor", "adopt", "current_pid", "failed", "get_reactor", "new_engine"]
 
 _ATTR = "_aionvme_reactor"
 # os.getpid() is a real syscall (glibc stopped caching it): one per request
@@ -60,10 +61,44 @@ def new_engine(settings: defaults.Settings | None = None) -> Engine:
     return eng
 
 
-class _IOFuture(asyncio.Future):  # type: ignore[type-arg]
+class AsCoroutine:
+    """The coroutine protocol over a future's own ``__await__`` iterator.
+
+    With ``send``/``throw``/``close`` and registered as
+    ``collections.abc.Coroutine``, a future is accepted where asyncio wants a
+    coroutine (``create_task``, ``TaskGroup.create_task``, anyio), while
+    ``await``, ``gather``, ``ensure_future``, ``wait_for`` and ``shield`` still
+    take it as the future it is: no Task per call. A Task running it sees the
+    future itself yielded, so cancelling that Task cancels the future (which
+    waits for the kernel: see :class:`_IOFuture`).
+    """
+
+    __slots__ = ()
+    _it: Any
+
+    def __await_iter(self) -> Any:
+        it = getattr(self, "_it", None)  # unset until a Task first runs it: no __init__ per future
+        if it is None:
+            it = self._it = self.__await__()  # type: ignore[attr-defined]
+        return it
+
+    def send(self, value: Any) -> Any:
+        return self.__await_iter().send(value)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        it = self.__await_iter()
+        if val is None and tb is None:
+            return it.throw(typ)
+        return it.throw(typ, val, tb)
+
+    def close(self) -> None:
+        self._it = None
+
+
+class _IOFuture(AsCoroutine, asyncio.Future):  # type: ignore[type-arg]
     """A Future whose cancellation waits for the kernel to let go of the buffer."""
 
-    __slots__ = ("_aio_req",)
+    __slots__ = ("_aio_req", "_it")
     _aio_req: Request | None
 
     def cancel(self, msg: Any = None) -> bool:
@@ -78,7 +113,19 @@ class _IOFuture(asyncio.Future):  # type: ignore[type-arg]
         return True
 
 
+collections.abc.Coroutine.register(_IOFuture)
+
 _future_cancel = asyncio.Future.cancel
+
+
+def failed(exc: BaseException, loop: asyncio.AbstractEventLoop | None = None) -> _IOFuture:
+    """A future that raises exc when awaited: how an error found while a
+    transfer is being set up (open failed, closed file, bad buffer) reaches
+    the await instead of the call. Needs a running loop (RuntimeError if none)."""
+    fut = _IOFuture(loop=loop or running_loop())
+    fut._aio_req = None
+    fut.set_exception(exc)
+    return fut
 
 
 class Reactor:
@@ -280,3 +327,15 @@ def _at_exit() -> None:
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 atexit.register(_at_exit)
+
+
+def current_pid() -> int:
+    """This process's pid as the runtime knows it (kept by the fork hook,
+    without a getpid() syscall): engines made under another pid are stale."""
+    return _pid
+
+
+def adopt(eng: Engine) -> None:
+    """Record that the calling thread drives eng now (exit must not close it
+    under that thread)."""
+    _owners[eng] = threading.get_ident()

@@ -21,9 +21,13 @@ import sys
 import tempfile
 from typing import Any
 
-from . import defaults
+from . import defaults, gpu
 from ._engine import aio_probe, fs_type, fstatx
-from .file import FS_NAMES
+from ._runtime.cufile import driver_ready
+from ._runtime.opening import fs_name
+from ._runtime.pinned import has_cap_ipc_lock
+from .file import File
+from .memory import empty
 
 __all__ = ["info"]
 
@@ -111,7 +115,7 @@ def path_info(path: str) -> dict[str, Any]:
         fst = fs_type(fd)
     finally:
         os.close(fd)
-    out["filesystem"] = FS_NAMES.get(fst, hex(fst))
+    out["filesystem"] = fs_name(fst)
     try:
         out.update(_probe_direct(path))
     except OSError as e:
@@ -120,9 +124,6 @@ def path_info(path: str) -> dict[str, Any]:
 
 
 def _probe_direct(path: str) -> dict[str, Any]:
-    from .file import File
-    from .memory import empty
-
     fd, name = tempfile.mkstemp(prefix=".aionvme-info-", dir=path)
     os.close(fd)
     try:
@@ -158,21 +159,6 @@ def fstatx_path(name: str) -> dict[str, Any]:
         os.close(fd)
 
 
-_CAP_IPC_LOCK = 14  # linux/capability.h
-
-
-def _has_cap_ipc_lock() -> bool | None:
-    """Whether this process may lock memory beyond RLIMIT_MEMLOCK."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) >> _CAP_IPC_LOCK & 1)
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def limits() -> dict[str, Any]:
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     max_nr, nr = _read_int("/proc/sys/fs/aio-max-nr"), _read_int("/proc/sys/fs/aio-nr")
@@ -182,7 +168,7 @@ def limits() -> dict[str, Any]:
         "aio_free": None if max_nr is None or nr is None else max_nr - nr,
         "memlock_soft": None if soft == resource.RLIM_INFINITY else soft,
         "memlock_hard": None if hard == resource.RLIM_INFINITY else hard,
-        "cap_ipc_lock": _has_cap_ipc_lock(),
+        "cap_ipc_lock": has_cap_ipc_lock(),
     }
 
 
@@ -196,8 +182,6 @@ def cufile(probe: bool = True) -> dict[str, Any]:
     already opened it, the probe runs in a child process (with cuFile's log
     in a temporary file, whose last lines are reported).
     """
-    from . import gpu
-
     found = gpu.find_library()
     out: dict[str, Any] = {
         "library": found,
@@ -208,7 +192,7 @@ def cufile(probe: bool = True) -> dict[str, Any]:
         "reason": "libcufile.so.0 not found" if found is None else "not probed",
         "probed": None,
     }
-    if gpu._driver.ready and gpu._driver.pid == os.getpid():
+    if driver_ready():
         st = gpu.cufile_status()
         out.update(
             library=st["library"] or found, version=st["version"], mode=st["mode"], reason=st["reason"]
@@ -264,7 +248,7 @@ def _probe_cufile(timeout: float = 120.0) -> dict[str, Any]:
         return out
 
 
-def gpu(init_cuda: bool = False) -> dict[str, Any]:
+def gpus(init_cuda: bool = False) -> dict[str, Any]:
     """CUDA devices: through torch when it is installed, else the NVIDIA driver's /proc.
     Device properties need CUDA initialised in this process: only with
     ``init_cuda`` (the ``aionvme info`` command, a process of its own) or
@@ -332,8 +316,6 @@ def _proc_gpu_models() -> list[str]:
 
 def _gpu_transfers() -> dict[str, Any]:
     """This process's CUDA tensor transfers: counters, files cuFile refused, the pinned pool."""
-    from . import gpu
-
     st = gpu.stats()
     st["memlock_budget"] = gpu.memlock_budget()
     st["gpu_path"] = defaults.settings.gpu_path
@@ -377,7 +359,7 @@ def info(path: str | None = None, *, init_cuda: bool = False) -> dict[str, Any]:
         "path": path_info(path or os.getcwd()),
         "limits": limits(),
         "cufile": cufile(),
-        "gpu": gpu(init_cuda),
+        "gpu": gpus(init_cuda),
         "gpu_transfers": _gpu_transfers(),
         "defaults": defaults.get(),
         "platform": {"machine": platform.machine(), "executable": sys.executable},

@@ -3,11 +3,13 @@ by ``Engine.run``, which waits on the eventfd with the GIL released."""
 
 from __future__ import annotations
 
+import errno
 import threading
 
-from . import _reactor
-from ._engine import Engine, Request
-from ._reactor import new_engine
+from .._engine import Engine, Request
+from ..exceptions import os_error
+from . import reactor as _reactor
+from .reactor import new_engine
 
 __all__ = ["run", "thread_engine"]
 
@@ -25,11 +27,15 @@ def thread_engine() -> Engine:
     return eng
 
 
-def run(req: Request) -> int:
-    """Drive req to the end; return its byte count or raise its error."""
-    thread_engine().run(req)
+def run(req: Request, eng: Engine | None = None) -> int:
+    """Drive req to the end; return its byte count or raise its error.
+
+    On eng, or this thread's engine. The one "request -> result or raise" of
+    the blocking paths (host, cuFile and bounce transfers): when the engine
+    lost the request's error, which it never should, EIO naming the file."""
+    (eng or thread_engine()).run(req)
     if req.ok:
         n: int = req.nbytes
         return n
     exc = req.exception()
-    raise exc if exc is not None else RuntimeError("request ended without a result")
+    raise exc if exc is not None else os_error(errno.EIO, req.file.path, op=req.op)

@@ -1,0 +1,295 @@
+"""The one dispatch: every transfer of File, Handle, the path functions, the
+formats and the DeepSpeed handle goes through :func:`submit` (async) or
+:func:`run` (blocking), host buffers to the engine, CUDA tensors to cuFile or
+the bounce pipeline.
+
+The asyncio contract lives here: :func:`submit` returns a future that is
+also a coroutine (see :class:`~aionvme._runtime.reactor.AsCoroutine`), and
+never raises for anything found while setting the transfer up (open
+failures, a closed File, a bad buffer or offset, a bad knob): the error is
+set on the future and arrives at the await. The only error of the call
+itself is RuntimeError when no event loop is running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections.abc
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from .. import _engine, defaults
+from .._engine import MODE_NO_OVERLAP, MODE_SINGLE_SUBMIT, Engine, FileHandle, Request
+from ..exceptions import CuFileError, ShortReadError, UnsupportedOperation
+from . import bounce, cufile
+from .blocking import run as drive_request
+from .cuda import Params, any_cuda, helper, is_cuda, require_cuda
+from .opening import handle_for
+from .reactor import AsCoroutine, Reactor, failed
+
+__all__ = [
+    "FDATASYNC",
+    "FSYNC",
+    "READ",
+    "READV",
+    "WRITE",
+    "WRITEV",
+    "Params",
+    "params",
+    "run",
+    "run_device",
+    "submit",
+    "submit_device",
+    "transfer_device",
+]
+
+# What a request does (one name per operation, used by every caller).
+READ, WRITE, READV, WRITEV, FSYNC, FDATASYNC = range(6)
+_WRITES = (WRITE, WRITEV)
+
+_params_cache: tuple[object, Params] = (None, (0, 0, 0))
+
+
+def mode_bits(single_submit: bool, overlap_events: bool) -> int:
+    """The engine mode bits of the two submit knobs."""
+    return (MODE_SINGLE_SUBMIT if single_submit else 0) | (0 if overlap_events else MODE_NO_OVERLAP)
+
+
+def params(block_size: int | str | None = None, parallelism: int | None = None) -> Params:
+    """(chunk size, chunks in flight per request, engine mode bits) of a call,
+    its knobs checked by :func:`aionvme.defaults.validate` and the rest from
+    the current defaults."""
+    global _params_cache
+    s = defaults.settings
+    if block_size is None and parallelism is None:
+        cached_for, p = _params_cache
+        if cached_for is s:  # defaults.set() replaces the object: identity is enough
+            return p
+    block, par = defaults.check_call(block_size, parallelism)
+    p = (
+        block if block is not None else s.block_size,
+        par if par is not None else s.max_inflight,
+        mode_bits(s.single_submit, s.overlap_events),
+    )
+    if block_size is None and parallelism is None:
+        _params_cache = (s, p)
+    return p
+
+
+def make(eng: Engine, op: int, fh: FileHandle, data: Any, offset: int, p: Params) -> Request:
+    """Queue one request of op on eng."""
+    if op == READ:
+        return eng.read(fh, data, offset, *p)
+    if op == WRITE:
+        return eng.write(fh, data, offset, *p)
+    if op == READV:
+        return eng.readv(fh, data, *p)
+    if op == WRITEV:
+        return eng.writev(fh, data, *p)
+    return eng.fsync(fh, op == FDATASYNC)
+
+
+def _cuda_items(op: int, data: Any, offset: int) -> list[tuple[Any, int]] | None:
+    """The (buffer, offset) items of a transfer holding CUDA tensors, else None."""
+    if op in (READ, WRITE):
+        return [(data, offset)] if is_cuda(data) else None
+    if op in (READV, WRITEV):
+        return data if any_cuda(data) else None
+    return None
+
+
+def _named(exc: Exception, fh: FileHandle | None) -> Exception:
+    """exc with the file named where the engine could not (UnsupportedOperation)."""
+    if fh is not None and isinstance(exc, UnsupportedOperation) and exc.filename is None:
+        exc.filename = fh.path
+    return exc
+
+
+def submit(
+    reactor_of: Callable[[], Reactor],
+    op: int,
+    file: Any,
+    data: Any = None,
+    offset: int = 0,
+    p: Params | None = None,
+    direct: bool | None = None,
+) -> Awaitable[int]:
+    """Start op now on the reactor ``reactor_of()`` gives; the awaitable gives
+    the byte count or raises. ``file``: a path (opened with ``direct`` for
+    this request and closed after it), an aionvme File, an engine handle or
+    an fd. ``p``: :func:`params` (None: the defaults)."""
+    fh: FileHandle | None = None
+    temporary = False
+    try:
+        r = reactor_of()
+        if p is None:
+            p = params()
+        fh, temporary = handle_for(file, op in _WRITES, direct)
+        if op in (READV, WRITEV):
+            data = list(data)
+        items = _cuda_items(op, data, offset)
+        if items is not None:
+            temporary, t = False, temporary  # the device transfer closes it
+            return submit_device(r, fh, t, op in _WRITES, items, p)
+        req = make(r.engine, op, fh, data, offset, p)
+    except Exception as e:
+        return failed(_named(e, fh))
+    finally:
+        if temporary and fh is not None:
+            fh.close()  # deferred by the engine until the request has finished
+    return r.submit(req)
+
+
+def run(
+    eng: Engine,
+    op: int,
+    file: Any,
+    data: Any = None,
+    offset: int = 0,
+    p: Params | None = None,
+    direct: bool | None = None,
+) -> int:
+    """The blocking twin of :func:`submit`, on eng (driven by this thread):
+    the byte count, or the error raised here."""
+    if p is None:
+        p = params()
+    fh, temporary = handle_for(file, op in _WRITES, direct)
+    try:
+        if op in (READV, WRITEV):
+            data = list(data)
+        items = _cuda_items(op, data, offset)
+        if items is not None:
+            temporary, t = False, temporary
+            return run_device(eng, fh, t, op in _WRITES, items, p)
+        req = make(eng, op, fh, data, offset, p)
+    except Exception as e:
+        raise _named(e, fh) from None
+    finally:
+        if temporary:
+            fh.close()
+    return drive_request(req, eng)
+
+
+# -- CUDA tensors -----------------------------------------------------------------------------
+
+
+class _DeviceTransfer(AsCoroutine, asyncio.Task):  # type: ignore[type-arg]
+    """The Task of a transfer with CUDA tensors, also usable as a coroutine."""
+
+    _it: Any = None
+
+
+collections.abc.Coroutine.register(_DeviceTransfer)
+
+
+def _fallback(fh: FileHandle, e: CuFileError) -> None:
+    """After cuFile refused a transfer: re-raise unless the bounce path may
+    take it (gpu_path='auto' and a code that means "not this file")."""
+    if e.code not in cufile.FALL_BACK or defaults.settings.gpu_path == "gds":
+        raise e
+    cufile.refuse(fh, f"cuFile refused a transfer: {e.strerror}")
+    _engine.gds_refuse_file(fh, e)
+
+
+async def _device_part(
+    r: Reactor, fh: FileHandle, write: bool, items: list[tuple[Any, int]], p: Params
+) -> int:
+    if not cufile.driver_ready() and defaults.settings.gpu_path != "bounce":
+        # opening the driver initialises CUDA: off the loop
+        await asyncio.get_running_loop().run_in_executor(helper(), cufile.open_driver)
+    if cufile.gds_choice(fh) is None:
+        try:
+            return await cufile.gds(r, fh, write, items, p)
+        except CuFileError as e:
+            _fallback(fh, e)
+    return await bounce.bounce(r, fh, write, items, p)
+
+
+def _device_sync(eng: Engine, fh: FileHandle, write: bool, items: list[tuple[Any, int]], p: Params) -> int:
+    require_cuda("a CUDA tensor transfer")
+    if defaults.settings.gpu_path != "bounce":
+        cufile.open_driver()
+    if cufile.gds_choice(fh) is None:
+        try:
+            return cufile.gds_sync(eng, fh, write, items, p)
+        except CuFileError as e:
+            _fallback(fh, e)
+    return bounce.bounce_sync(eng, fh, write, items, p)
+
+
+async def transfer_device(
+    r: Reactor, fh: FileHandle, temporary: bool, write: bool, items: list[tuple[Any, int]], p: Params
+) -> int:
+    """Move items (buffer, offset), some of them CUDA tensors, to or from
+    fh; returns the byte count. Host buffers go through the engine as usual,
+    in one request beside the GPU part."""
+    try:
+        dev = [i for i, (b, _) in enumerate(items) if is_cuda(b)]
+        host = [i for i, (b, _) in enumerate(items) if not is_cuda(b)]
+        parts: list[tuple[list[int], Awaitable[int]]] = []
+        if host:
+            make_v = r.engine.writev if write else r.engine.readv
+            parts.append((host, r.submit(make_v(fh, [items[i] for i in host], *p))))
+        parts.append((dev, _device_part(r, fh, write, [items[i] for i in dev], p)))
+        futs = [asyncio.ensure_future(op) for _, op in parts]
+        await bounce.all_done(futs)
+        total = 0
+        for (index, _), f in zip(parts, futs):
+            if f.cancelled():
+                raise asyncio.CancelledError
+            exc = f.exception()
+            if exc is not None:
+                raise _renumbered(exc, index, len(items))
+            total += f.result()
+        return total
+    finally:
+        if temporary:
+            fh.close()
+
+
+def _renumbered(exc: BaseException, index: Sequence[int], nitems: int) -> BaseException:
+    """A ShortReadError of a sub-request, naming the item of the whole batch."""
+    if isinstance(exc, ShortReadError):
+        seg = exc.segment if exc.segment is not None else 0
+        if nitems > 1:
+            return ShortReadError(exc.filename, exc.offset, exc.expected, exc.received, segment=index[seg])
+    return exc
+
+
+def submit_device(
+    r: Reactor, fh: FileHandle, temporary: bool, write: bool, items: list[tuple[Any, int]], p: Params
+) -> Awaitable[int]:
+    """Start a transfer with CUDA tensors now, as a Task that is also a
+    coroutine; like the host path, it starts without waiting for the caller
+    to await it, and a setup error (no CUDA) arrives at the await."""
+    try:
+        require_cuda("a CUDA tensor transfer")
+    except Exception as e:
+        if temporary:
+            fh.close()
+        return failed(e, r.loop)
+    return _DeviceTransfer(transfer_device(r, fh, temporary, write, items, p), loop=r.loop)
+
+
+def run_device(
+    eng: Engine, fh: FileHandle, temporary: bool, write: bool, items: list[tuple[Any, int]], p: Params
+) -> int:
+    """The blocking twin of :func:`submit_device` (no event loop needed)."""
+    try:
+        require_cuda("a CUDA tensor transfer")
+        dev = [i for i, (b, _) in enumerate(items) if is_cuda(b)]
+        host = [i for i, (b, _) in enumerate(items) if not is_cuda(b)]
+        total = 0
+        if host:
+            make_v = eng.writev if write else eng.readv
+            try:
+                total += drive_request(make_v(fh, [items[i] for i in host], *p), eng)
+            except ShortReadError as e:
+                raise _renumbered(e, host, len(items)) from None
+        try:
+            return total + _device_sync(eng, fh, write, [items[i] for i in dev], p)
+        except ShortReadError as e:
+            raise _renumbered(e, dev, len(items)) from None
+    finally:
+        if temporary:
+            fh.close()
