@@ -19,15 +19,9 @@ import pytest
 SRC = Path(__file__).resolve().parent.parent / "src"
 PKG = SRC / "aionvme"
 
-# Files owned by other branches that still break a rule until the lead merges
-# their fix. Each entry names the rule it breaks; an entry whose file is clean
-# fails the test, so the list only shrinks.
-TEMPORARY_ALLOWLIST: dict[str, set[str]] = {
-    "aionvme.benchmark": {"imports"},  # imports aionvme._reactor (moved to _runtime.reactor)
-    "aionvme.cli.info": {"imports"},  # imports aionvme._info (now aionvme.diagnostics)
-    "aionvme.formats._bench": {"cli"},  # imports cli._common.drop_caches
-    "aionvme.formats._safetensors": {"private"},  # memory._torch_dtype (public: memory.torch_dtype)
-}
+# Modules allowed to break a rule for a while (module -> rules), e.g. during a
+# move. An entry whose module is clean fails the test, so the list only shrinks.
+TEMPORARY_ALLOWLIST: dict[str, set[str]] = {}
 
 
 def _modules() -> dict[str, Path]:

@@ -11,13 +11,11 @@ import tempfile
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
-from ._internal import FS_NAMES, fs_type
+from ._internal import is_memory_fs
 
 __all__ = ["drop_caches", "local_scratch_dir", "resolve_loop", "run_loop", "scratch_dir"]
 
 T = TypeVar("T")
-
-_MEMORY_FS = ("tmpfs", "ramfs")
 
 
 def _is_memory_fs(directory: str) -> bool | None:
@@ -26,7 +24,7 @@ def _is_memory_fs(directory: str) -> bool | None:
     except OSError:
         return None
     try:
-        return FS_NAMES.get(fs_type(fd)) in _MEMORY_FS
+        return is_memory_fs(fd)
     finally:
         os.close(fd)
 
@@ -91,5 +89,5 @@ def run_loop(coro: Coroutine[Any, Any, T], loop: str = "uvloop") -> T:
     if resolve_loop(loop) == "uvloop":
         import uvloop
 
-        return uvloop.run(coro)  # type: ignore[no-any-return]
+        return uvloop.run(coro)  # type: ignore[no-any-return,unused-ignore]
     return asyncio.run(coro)

@@ -177,7 +177,7 @@ def _print_rich(table: list[tuple[str, str, str, str]]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from aionvme._info import info
+    from aionvme.diagnostics import info
 
     if args.path is not None and not os.path.isdir(args.path):
         print(f"aionvme info: {args.path} is not a directory")

@@ -24,7 +24,7 @@ from ..atomic import atomic_write
 from ..exceptions import os_error
 from ..file import File, PathLike
 from ..file import open as nvme_open
-from ..memory import _torch_dtype, empty
+from ..memory import empty, torch_dtype
 from . import _background
 from ._header import (
     METADATA_KEY,
@@ -167,7 +167,7 @@ def _target_dtype(dtype: Any, like: str) -> Any:
         return None
     if like == "numpy":
         return np.dtype(dtype)
-    return _torch_dtype(dtype)
+    return torch_dtype(dtype)
 
 
 class _Loaded:
