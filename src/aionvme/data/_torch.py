@@ -12,7 +12,7 @@ from ._loader import Loader
 __all__ = ["TorchIterable"]
 
 
-class TorchIterable(torch.utils.data.IterableDataset):  # type: ignore[misc,type-arg]
+class TorchIterable(torch.utils.data.IterableDataset):  # type: ignore[misc,type-arg,unused-ignore]
     """A ``torch.utils.data.IterableDataset`` yielding the loader's batches.
 
     Batching, shuffling and rank splitting are the loader's, so wrap it in a
