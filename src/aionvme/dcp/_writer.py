@@ -149,6 +149,9 @@ class _Layout:
             return
         data = _byte_view(t)
         nbytes = len(data)
+        if nbytes == 0:  # nothing to align
+            self.add_bytes(item, tpl.head + tpl.tail)
+            return
         head = len(tpl.head)
         start = align_up(self.pos + head) - head  # the storage bytes start on a page
         body = nbytes // PAGE * PAGE
