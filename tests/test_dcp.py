@@ -164,7 +164,11 @@ def test_overwrite_commits_then_removes_the_old_files(tmp_path: Path) -> None:
 def test_casts_and_strided_destinations_go_through_scratch(tmp_path: Path) -> None:
     src = {"a": torch.randn(300, 200), "b": torch.randn(200, 200), "c": torch.arange(50000.0)}
     _save(src, tmp_path / "ck", "ours")
-    got = {"a": torch.zeros(300, 200, dtype=torch.float64), "b": torch.zeros(200, 200).t(), "c": torch.zeros(50000)}
+    got = {
+        "a": torch.zeros(300, 200, dtype=torch.float64),
+        "b": torch.zeros(200, 200).t(),
+        "c": torch.zeros(50000),
+    }
     rd = _load(got, tmp_path / "ck", "ours")
     assert torch.equal(got["a"], src["a"].double())
     assert torch.equal(got["b"], src["b"])

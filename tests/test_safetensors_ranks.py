@@ -43,7 +43,9 @@ def _checkpoint(d: Path) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
-async def test_each_rank_reads_only_its_own_tensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, world: int):
+async def test_each_rank_reads_only_its_own_tensors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, world: int
+):
     tensors = _checkpoint(tmp_path)
     index = tmp_path / "model.safetensors.index.json"
     read: list[str] = []

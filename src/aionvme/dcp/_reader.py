@@ -24,7 +24,7 @@ import os
 import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -180,7 +180,9 @@ class Reader(StorageReader):
             metadata.storage_meta = StorageMeta()
         return metadata
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         if metadata.storage_data is None:
             raise CheckpointFormatError("the checkpoint's metadata has no storage_data")
         self.storage_data = metadata.storage_data
@@ -208,7 +210,9 @@ class Reader(StorageReader):
         fut.set_result(None)
         return fut
 
-    async def _read_all(self, per_file: dict[str, dict[tuple[int, int], _Record]], planner: LoadPlanner) -> None:
+    async def _read_all(
+        self, per_file: dict[str, dict[tuple[int, int], _Record]], planner: LoadPlanner
+    ) -> None:
         tasks = [
             asyncio.ensure_future(self._read_file(os.path.join(self.path, rel), list(recs.values()), planner))
             for rel, recs in per_file.items()
@@ -280,7 +284,7 @@ class Reader(StorageReader):
                 whole = _merge([(r.info.offset, r.info.offset + r.info.length) for r in fallback], 0)
                 scratch += [(b, e) for b, e in whole]
             runs = _merge([s for s in scratch if s[1] > s[0]], 0)
-            reads = [asyncio.ensure_future(_read_runs(f, runs))]
+            reads: list[asyncio.Future[Any]] = [asyncio.ensure_future(_read_runs(f, runs))]
             if direct:
                 direct.sort(key=lambda it: it[1])
                 reads.append(asyncio.ensure_future(f.pread_many(direct)))
@@ -293,7 +297,7 @@ class Reader(StorageReader):
                 raise
             self.stats["requests"] += 1
             got2 = results[0]
-            for r, req, lay, dest, b, first in later:
+            for _, req, lay, dest, b, first in later:
                 src = self._box_from(got2, lay, req, b, first)
                 self.stats["scratch_bytes"] += src.numel() * src.element_size()
                 await self._copy(dest, src, req)
@@ -307,7 +311,7 @@ class Reader(StorageReader):
 
     @staticmethod
     def _dest(planner: LoadPlanner, req: ReadItem) -> torch.Tensor:
-        dest = cast(torch.Tensor, planner.resolve_tensor(req)).detach()
+        dest = planner.resolve_tensor(req).detach()
         if tuple(dest.shape) != tuple(req.lengths):
             raise CheckpointFormatError(
                 f"{req.storage_index.fqn}: destination has shape {tuple(dest.shape)}, "
@@ -316,7 +320,9 @@ class Reader(StorageReader):
         return dest
 
     @staticmethod
-    def _box_from(got: list[tuple[int, memoryview]], lay: Layout, req: ReadItem, b: int, first: int) -> torch.Tensor:
+    def _box_from(
+        got: list[tuple[int, memoryview]], lay: Layout, req: ReadItem, b: int, first: int
+    ) -> torch.Tensor:
         """The box ``req`` reads, as a view of scratch memory starting at file
         offset ``b`` (storage element ``first``)."""
         if math.prod(req.lengths) == 0:
@@ -373,7 +379,7 @@ class Reader(StorageReader):
                         src = src.narrow(d, o, ln)
             if tuple(src.shape) != tuple(dest.shape):
                 raise CheckpointFormatError(
-                    f"{req.storage_index.fqn}: saved box {tuple(src.shape)} vs destination {tuple(dest.shape)}"
+                    f"{req.storage_index.fqn}: saved box {tuple(src.shape)}, destination {tuple(dest.shape)}"
                 )
             await self._copy(dest, src, req)
             done.append((req, dest))
@@ -385,4 +391,3 @@ class Reader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return "://" not in os.fspath(checkpoint_id)
-

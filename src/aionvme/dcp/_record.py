@@ -29,7 +29,7 @@ import pickle
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -103,7 +103,7 @@ def template(dtype: torch.dtype, shape: tuple[int, ...]) -> Template | None:
     nbytes = probe.numel() * probe.element_size()
     rec = _Recorder()
     with torch.serialization.skip_data():
-        torch.save(probe, rec)
+        torch.save(probe, cast(IO[bytes], rec))
     del probe
     if nbytes == 0:
         if len(rec.parts) != 1:
@@ -319,7 +319,8 @@ def _entry_data(head: bytes, loff: int) -> int | None:
     f = _LOCAL.unpack_from(head, loff)
     if f[0] != _SIG_LOCAL:
         return None
-    return loff + _LOCAL.size + f[9] + f[10]
+    start: int = loff + _LOCAL.size + f[9] + f[10]
+    return start
 
 
 def parse(head: bytes, tail: bytes, length: int) -> Layout | None:

@@ -60,14 +60,19 @@ class Stager(AsyncStager):
         return dst
 
     def _stage(self, obj: Any, path: tuple[Any, ...]) -> Any:
-        from torch.distributed._shard.sharded_tensor import ShardedTensor
+        from torch.distributed._shard.sharded_tensor.api import ShardedTensor
         from torch.distributed.tensor import DTensor
 
         if isinstance(obj, DTensor):
             if obj.device_mesh.device_type == "cpu":
                 local = self._tensor(obj.to_local(), path)
                 return DTensor.from_local(
-                    local, obj.device_mesh, obj.placements, run_check=False, shape=obj.size(), stride=obj.stride()
+                    local,
+                    obj.device_mesh,
+                    obj.placements,
+                    run_check=False,
+                    shape=obj.size(),
+                    stride=obj.stride(),
                 )
             return self._torch_stage(obj)
         if isinstance(obj, ShardedTensor):

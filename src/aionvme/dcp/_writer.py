@@ -133,8 +133,7 @@ class _Layout:
         self.results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
 
     def add_bytes(self, item: WriteItem, data: Any) -> None:
-        raw = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
-        raw = bytes(raw)
+        raw = bytes(data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data))
         self.pages.add(self.pos, raw)
         self._result(item, self.pos, len(raw))
         self.pos += len(raw)
@@ -287,7 +286,9 @@ class Writer(StorageWriter, Stager):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         storage = plan.storage_data
-        prefix = storage.prefix if isinstance(storage, _Prefix) else f"__{self.rank or 0}_{secrets.token_hex(4)}_"
+        prefix = (
+            storage.prefix if isinstance(storage, _Prefix) else f"__{self.rank or 0}_{secrets.token_hex(4)}_"
+        )
         name = f"{prefix}0{SUFFIX}"
         layout = _Layout(name)
         for item in plan.items:
@@ -346,4 +347,3 @@ class Writer(StorageWriter, Stager):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return "://" not in os.fspath(checkpoint_id)
-
