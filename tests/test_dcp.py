@@ -39,6 +39,7 @@ def _state(seed: int) -> dict[str, Any]:
             "u8": torch.randint(0, 255, (4099,), dtype=torch.uint8, generator=g),
             "bool": torch.rand(33, generator=g) > 0.5,
             "c64": torch.randn(5, 5, dtype=torch.complex64, generator=g),
+            "conj": torch.randn(4, 4, dtype=torch.complex64, generator=g).conj(),  # a lazy conjugate view
             "scalar": torch.tensor(seed * 1.5),
             "empty": torch.zeros(0, 7),
             "transposed": base.t(),  # not contiguous
@@ -134,7 +135,7 @@ def test_layout_records_are_torch_save_archives_with_page_aligned_data(tmp_path:
                 src = src[int(part)] if part.isdigit() else src[part]
             _equal(t, src, index.fqn)
             tensors += 1
-    assert tensors == 14
+    assert tensors == 15
 
 
 def test_overwrite_commits_then_removes_the_old_files(tmp_path: Path) -> None:

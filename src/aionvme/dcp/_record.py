@@ -198,6 +198,10 @@ def _storage_dtype(module: str, name: str) -> torch.dtype:
 
 def _rebuild(storage: Any, storage_offset: Any, size: Any, stride: Any, *rest: Any) -> _TensorDesc:
     """torch._utils._rebuild_tensor_v2's arguments: (..., requires_grad, backward_hooks[, metadata])."""
+    if len(rest) > 2 and rest[2]:  # tensor metadata, e.g. the conj or neg bit: torch.load applies it
+        raise _Unexpected("tensor metadata")
+    if not isinstance(storage, _StorageRef):
+        raise _Unexpected("rebuild arguments")
     return _geometry(storage, storage_offset, size, stride, rest[1:2], storage.dtype)
 
 
@@ -205,6 +209,8 @@ def _rebuild_v3(storage: Any, storage_offset: Any, size: Any, stride: Any, *rest
     """torch._utils._rebuild_tensor_v3: (..., requires_grad, backward_hooks, dtype[, metadata])."""
     if len(rest) < 3 or not isinstance(rest[2], torch.dtype) or not isinstance(storage, _StorageRef):
         raise _Unexpected("rebuild_v3 arguments")
+    if len(rest) > 3 and rest[3]:
+        raise _Unexpected("tensor metadata")
     itemsize = torch.empty(0, dtype=rest[2]).element_size()
     if storage.dtype != torch.uint8 or storage.numel % itemsize:
         raise _Unexpected("rebuild_v3 storage")

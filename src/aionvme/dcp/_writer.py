@@ -110,6 +110,8 @@ def _host_contiguous(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a contiguous CPU tensor: itself when it is one, else a copy
     into page-aligned memory (so the copy's write is zero-copy O_DIRECT)."""
     t = t.detach()
+    if t.is_conj() or t.is_neg():  # lazy views: the memory does not hold the values
+        t = t.resolve_conj().resolve_neg()
     if t.device.type == "cpu" and t.is_contiguous():
         return t
     out: torch.Tensor = empty(tuple(t.shape), t.dtype, like="torch")
