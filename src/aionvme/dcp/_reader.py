@@ -1,18 +1,21 @@
 """``aionvme.dcp.Reader``: a torch.distributed.checkpoint StorageReader that
-reads each data file in two batched O_DIRECT requests.
+reads each data file in one batched O_DIRECT request.
 
-Per rank and file, the items the load plan asks for are sorted by offset.
-The first request reads the small records whole and the first and last 4 KiB
-of each large one (where a torch.save archive keeps its pickle and its
-central directory), adjacent ranges merged into one transfer. From those
-bytes :func:`._record.parse` finds each tensor's storage bytes; the second
-request reads them, straight into the destination tensor where the bytes are
-the destination's (same dtype, a contiguous range of the saved chunk, a
-contiguous destination), or else into page-aligned scratch memory that is
-then copied (a cast, or a box of the saved chunk that is not one range),
-adjacent scratch ranges merged. Records in another layout are read whole and
-given to ``torch.load``, as ``FileSystemReader`` does. The files of one rank
-are read concurrently.
+Per rank and file, the records the load plan needs are sorted by offset. One
+``pread_many`` reads: the small records whole; the first and last 4 KiB of
+each large one (where a torch.save archive keeps its pickle and its central
+directory); and the large ones' tensor bytes, at the place the metadata
+predicts (the saved chunk's dtype and shape give the archive torch.save
+writes for it, and the record's length must match). Tensor bytes go straight
+into the destination tensor where they are the destination's bytes (same
+dtype, a contiguous range of the saved chunk, a contiguous destination), or
+else into page-aligned scratch memory and are copied (a cast, a box of the
+saved chunk that is not one range); ranges closer than 64 KiB are read as one.
+Then each predicted layout is checked against the record's own bytes
+(:func:`._record.parse`); a record that is not as predicted is read again in a
+second request, as parsed, or whole and given to ``torch.load`` (what
+``FileSystemReader`` does) when it is not a plain tensor archive. The files of
+one rank are read concurrently.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
@@ -37,7 +40,7 @@ from ..exceptions import AionvmeError
 from ..file import File
 from ..memory import empty
 from ._common import METADATA, PAGE, align_up, run
-from ._record import Layout, parse
+from ._record import Layout, parse, template
 
 __all__ = ["CheckpointFormatError", "Reader"]
 
@@ -106,22 +109,6 @@ def _merge(ranges: list[tuple[int, int]], gap: int) -> list[list[int]]:
     return runs
 
 
-async def _read_runs(f: File, runs: list[list[int]]) -> list[tuple[int, memoryview]]:
-    """Read each [begin, end) file range into page-aligned memory, in one
-    request; returns (begin, bytes) per run. Each run is read from the page
-    boundary below it, so the transfer is zero-copy O_DIRECT."""
-    if not runs:
-        return []
-    place, total = [], 0
-    for b, e in runs:
-        fs = b // PAGE * PAGE
-        place.append((total, fs, e - fs, b))
-        total += align_up(e - fs)
-    mem = memoryview(empty(total))
-    await f.pread_many([(mem[p : p + n], fs) for p, fs, n, _ in place])
-    return [(b, mem[p + b - fs : p + n]) for p, fs, n, b in place]
-
-
 def _slice(got: list[tuple[int, memoryview]], begin: int, end: int) -> memoryview:
     for b, mv in got:
         if b <= begin and end <= b + len(mv):
@@ -132,6 +119,87 @@ def _slice(got: list[tuple[int, memoryview]], begin: int, end: int) -> memoryvie
 def _torch_view(mem: memoryview, dtype: torch.dtype) -> torch.Tensor:
     raw = torch.frombuffer(mem, dtype=torch.uint8) if len(mem) else torch.empty(0, dtype=torch.uint8)
     return raw if dtype == torch.uint8 else raw.view(dtype)
+
+
+class _Plan:
+    """The tensor reads of some records: (record, request, layout,
+    destination, direct, file offset, bytes, first storage element)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[_Record, ReadItem, Layout, torch.Tensor, bool, int, int, int]] = []
+
+    def add(self, r: _Record, lay: Layout, dest: Any) -> None:
+        itemsize = torch.empty(0, dtype=lay.dtype).element_size()
+        base = r.info.offset + lay.data_offset
+        for req in r.reqs:
+            d: torch.Tensor = dest(req)
+            box = _box_range(lay, req.storage_offsets, req.lengths)
+            if (
+                box is not None
+                and d.device.type == "cpu"
+                and d.dtype == lay.dtype
+                and d.is_contiguous()
+                and d.numel() == box[1]
+            ):
+                self.items.append((r, req, lay, d, True, base + box[0] * itemsize, box[1] * itemsize, 0))
+                continue
+            first, end = _span(lay, req.storage_offsets, req.lengths)
+            if math.prod(req.lengths) == 0:
+                first = end = 0
+            self.items.append(
+                (r, req, lay, d, False, base + first * itemsize, (end - first) * itemsize, first)
+            )
+
+    async def fetch(self, f: File, ranges: list[tuple[int, int]]) -> list[tuple[int, memoryview]]:
+        """One pread_many: ``ranges`` and the scratch reads into page-aligned
+        memory (merged), the direct reads into their destinations."""
+        ranges = ranges + [(b, b + n) for _, _, _, _, direct, b, n, _ in self.items if not direct and n]
+        runs = _merge(ranges, _MERGE_GAP)
+        place, total = [], 0
+        for b, e in runs:
+            fs = b // PAGE * PAGE
+            place.append((total, fs, e - fs, b))
+            total += align_up(e - fs)
+        mem = memoryview(empty(total))
+        batch: list[tuple[Any, int]] = [(mem[p : p + n], fs) for p, fs, n, _ in place]
+        batch += [(d, b) for _, _, _, d, direct, b, n, _ in self.items if direct and n]
+        batch.sort(key=lambda it: it[1])
+        if batch:
+            await f.pread_many(batch)
+        return [(b, mem[p + b - fs : p + n]) for p, fs, n, b in place]
+
+    def finish(
+        self, got: list[tuple[int, memoryview]], records: set[int] | None, stats: dict[str, int]
+    ) -> tuple[list[tuple[ReadItem, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """(request, destination) of the reads done for ``records`` (ids; all
+        if None), and the (destination, source) copies left to make."""
+        done, copies = [], []
+        for r, req, lay, d, direct, b, n, first in self.items:
+            if records is not None and id(r) not in records:
+                continue
+            if direct:
+                stats["direct_bytes"] += n
+            else:
+                src = _box_from(got, lay, req, b, first)
+                stats["scratch_bytes"] += src.numel() * src.element_size()
+                copies.append((d, src))
+            done.append((req, d))
+        return done, copies
+
+
+def _box_from(
+    got: list[tuple[int, memoryview]], lay: Layout, req: ReadItem, b: int, first: int
+) -> torch.Tensor:
+    """The box ``req`` reads, as a view of scratch memory starting at file
+    offset ``b`` (storage element ``first``)."""
+    if math.prod(req.lengths) == 0:
+        return torch.empty(tuple(req.lengths), dtype=lay.dtype)
+    itemsize = torch.empty(0, dtype=lay.dtype).element_size()
+    _, end = _span(lay, req.storage_offsets, req.lengths)
+    mem = _slice(got, b, b + (end - first) * itemsize)
+    flat = _torch_view(mem, lay.dtype)
+    start = sum(o * st for o, st in zip(req.storage_offsets, lay.stride)) + lay.storage_offset - first
+    return flat.as_strided(tuple(req.lengths), lay.stride, start)
 
 
 class Reader(StorageReader):
@@ -162,6 +230,8 @@ class Reader(StorageReader):
         self.path = os.fspath(path)
         self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
         self.rank: int | None = None
+        self._metadata: Metadata | None = None
+        self._planner: LoadPlanner | None = None
         self.stats = {"files": 0, "requests": 0, "direct_bytes": 0, "scratch_bytes": 0, "fallbacks": 0}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -186,6 +256,7 @@ class Reader(StorageReader):
         if metadata.storage_data is None:
             raise CheckpointFormatError("the checkpoint's metadata has no storage_data")
         self.storage_data = metadata.storage_data
+        self._metadata = metadata
         self.rank = kwargs.get("rank")
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -205,7 +276,11 @@ class Reader(StorageReader):
             recs = per_file.setdefault(info.relative_path, {})
             rec = recs.setdefault((info.offset, info.length), _Record(info))
             rec.reqs.append(req)
-        run(self._read_all(per_file, planner))
+        self._planner = planner
+        try:
+            run(self._read_all(per_file, planner))
+        finally:
+            self._planner = None
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -225,89 +300,96 @@ class Reader(StorageReader):
             await asyncio.gather(*tasks, return_exceptions=True)  # no read left landing in a tensor
             raise
 
+    def _predict(self, r: _Record) -> Layout | None:
+        """The layout a record has if torch.save wrote it for a contiguous
+        tensor of the saved chunk's dtype and shape (what both writers write
+        for plain tensors): the metadata says which, the record's length must
+        match. Checked against the record's own bytes once they are read."""
+        md = self._metadata
+        if md is None or len(r.reqs) == 0:
+            return None
+        index = r.reqs[0].storage_index
+        meta = md.state_dict_metadata.get(index.fqn)
+        if not isinstance(meta, TensorStorageMetadata):
+            return None
+        offsets = tuple(index.offset) if index.offset is not None else None
+        chunk = next((c for c in meta.chunks if tuple(c.offsets) == offsets), None)
+        if chunk is None:
+            return None
+        size = tuple(int(x) for x in chunk.sizes)
+        dtype = meta.properties.dtype
+        tpl = template(dtype, size)
+        nbytes = math.prod(size) * torch.empty(0, dtype=dtype).element_size()
+        if tpl is None or nbytes == 0 or r.info.length != len(tpl.head) + nbytes + len(tpl.tail):
+            return None
+        return Layout(len(tpl.head), dtype, math.prod(size), 0, size, _contiguous_strides(size))
+
     async def _read_file(self, path: str, recs: list[_Record], planner: LoadPlanner) -> None:
         recs.sort(key=lambda r: r.info.offset)
         self.stats["files"] += 1
+        dests: dict[int, torch.Tensor] = {}  # id(ReadItem) -> its destination, resolved once
+
+        def dest(req: ReadItem) -> torch.Tensor:
+            d = dests.get(id(req))
+            if d is None:
+                d = dests[id(req)] = self._dest(planner, req)
+            return d
+
         with File(path, "r") as f:
-            # Request 1: small records whole, the head and tail of large ones.
-            ranges = []
+            probes: list[tuple[int, int]] = []
+            plan = _Plan()
+            predicted: dict[int, Layout] = {}
             for r in recs:
                 o, n = r.info.offset, r.info.length
                 if n <= _SMALL or any(q.type == LoadItemType.BYTE_IO for q in r.reqs):
                     r.whole = True
-                    ranges.append((o, o + n))
-                else:
-                    ranges += [(o, o + _PROBE), (o + n - _PROBE, o + n)]
-            got = await _read_runs(f, _merge(ranges, _MERGE_GAP))
-            self.stats["requests"] += 1
-            # Request 2: the storage bytes of the large ones.
-            direct: list[tuple[Any, int]] = []
-            scratch: list[tuple[int, int]] = []
-            later: list[tuple[_Record, ReadItem, Layout, torch.Tensor, int, int]] = []
-            fallback: list[_Record] = []
-            done: list[tuple[ReadItem, torch.Tensor]] = []
-            for r in recs:
-                o, n = r.info.offset, r.info.length
-                if r.whole:
-                    await self._from_memory(r, _slice(got, o, o + n), planner, done)
+                    probes.append((o, o + n))
                     continue
-                head = bytes(_slice(got, o, o + _PROBE))
-                tail = bytes(_slice(got, o + n - _PROBE, o + n))
-                lay = parse(head, tail, n)
+                probes += [(o, o + _PROBE), (o + n - _PROBE, o + n)]
+                lay = self._predict(r)
+                if lay is not None:
+                    predicted[id(r)] = lay
+                    plan.add(r, lay, dest)
+            got = await plan.fetch(f, probes)
+            self.stats["requests"] += 1
+            # Check the predictions; plan what they got wrong.
+            retry = _Plan()
+            fallback: list[_Record] = []
+            for r in recs:
+                if r.whole:
+                    continue
+                o, n = r.info.offset, r.info.length
+                lay = parse(bytes(_slice(got, o, o + _PROBE)), bytes(_slice(got, o + n - _PROBE, o + n)), n)
+                if lay is not None and predicted.get(id(r)) == lay:
+                    continue
+                predicted.pop(id(r), None)
                 if lay is None:
                     fallback.append(r)
-                    continue
-                itemsize = torch.empty(0, dtype=lay.dtype).element_size()
-                base = o + lay.data_offset
-                for req in r.reqs:
-                    dest = self._dest(planner, req)
-                    box = _box_range(lay, req.storage_offsets, req.lengths)
-                    if (
-                        box is not None
-                        and dest.device.type == "cpu"
-                        and dest.dtype == lay.dtype
-                        and dest.is_contiguous()
-                        and dest.numel() == box[1]
-                    ):
-                        if box[1]:
-                            direct.append((dest, base + box[0] * itemsize))
-                            self.stats["direct_bytes"] += box[1] * itemsize
-                        done.append((req, dest))
-                        continue
-                    first, end = _span(lay, req.storage_offsets, req.lengths)
-                    if math.prod(req.lengths) == 0:
-                        first = end = 0
-                    b, e = base + first * itemsize, base + end * itemsize
-                    scratch.append((b, e))
-                    later.append((r, req, lay, dest, b, first))
-            if fallback:
-                whole = _merge([(r.info.offset, r.info.offset + r.info.length) for r in fallback], 0)
-                scratch += [(b, e) for b, e in whole]
-            runs = _merge([s for s in scratch if s[1] > s[0]], 0)
-            reads: list[asyncio.Future[Any]] = [asyncio.ensure_future(_read_runs(f, runs))]
-            if direct:
-                direct.sort(key=lambda it: it[1])
-                reads.append(asyncio.ensure_future(f.pread_many(direct)))
-            try:
-                results = await asyncio.gather(*reads)
-            except BaseException:
-                for t in reads:
-                    t.cancel()
-                await asyncio.gather(*reads, return_exceptions=True)
-                raise
-            self.stats["requests"] += 1
-            got2 = results[0]
-            for _, req, lay, dest, b, first in later:
-                src = self._box_from(got2, lay, req, b, first)
-                self.stats["scratch_bytes"] += src.numel() * src.element_size()
-                await self._copy(dest, src, req)
-                done.append((req, dest))
-            for r in fallback:
-                self.stats["fallbacks"] += 1
-                mem = _slice(got2, r.info.offset, r.info.offset + r.info.length)
-                await self._from_memory(r, mem, planner, done, parsed=False)
-        for req, dest in done:
-            planner.commit_tensor(req, dest)
+                else:
+                    retry.add(r, lay, dest)
+            done, copies = plan.finish(got, set(predicted), self.stats)
+            for r in recs:
+                if r.whole:
+                    await self._from_memory(
+                        r, _slice(got, r.info.offset, r.info.offset + r.info.length), done, dest
+                    )
+            if retry.items or fallback:
+                # A second request: as parsed, or whole for torch.load.
+                got2 = await retry.fetch(
+                    f, [(r.info.offset, r.info.offset + r.info.length) for r in fallback]
+                )
+                self.stats["requests"] += 1
+                done2, copies2 = retry.finish(got2, None, self.stats)
+                done += done2
+                copies += copies2
+                for r in fallback:
+                    self.stats["fallbacks"] += 1
+                    mem = _slice(got2, r.info.offset, r.info.offset + r.info.length)
+                    await self._from_memory(r, mem, done, dest, parsed=False)
+            for d, src in copies:
+                await self._copy(d, src)
+        for req, d in done:
+            planner.commit_tensor(req, d)
 
     @staticmethod
     def _dest(planner: LoadPlanner, req: ReadItem) -> torch.Tensor:
@@ -320,21 +402,7 @@ class Reader(StorageReader):
         return dest
 
     @staticmethod
-    def _box_from(
-        got: list[tuple[int, memoryview]], lay: Layout, req: ReadItem, b: int, first: int
-    ) -> torch.Tensor:
-        """The box ``req`` reads, as a view of scratch memory starting at file
-        offset ``b`` (storage element ``first``)."""
-        if math.prod(req.lengths) == 0:
-            return torch.empty(tuple(req.lengths), dtype=lay.dtype)
-        itemsize = torch.empty(0, dtype=lay.dtype).element_size()
-        _, end = _span(lay, req.storage_offsets, req.lengths)
-        mem = _slice(got, b, b + (end - first) * itemsize)
-        flat = _torch_view(mem, lay.dtype)
-        start = sum(o * st for o, st in zip(req.storage_offsets, lay.stride)) + lay.storage_offset - first
-        return flat.as_strided(tuple(req.lengths), lay.stride, start)
-
-    async def _copy(self, dest: torch.Tensor, src: torch.Tensor, req: ReadItem) -> None:
+    async def _copy(dest: torch.Tensor, src: torch.Tensor) -> None:
         if src.numel() * src.element_size() > _BIG_COPY:
             await asyncio.to_thread(dest.copy_, src)
         else:
@@ -344,11 +412,14 @@ class Reader(StorageReader):
         self,
         r: _Record,
         mem: memoryview,
-        planner: LoadPlanner,
         done: list[tuple[ReadItem, torch.Tensor]],
+        dest_of: Any,
         parsed: bool = True,
     ) -> None:
         """Items of a record read whole into memory."""
+        planner = self._planner
+        if planner is None:  # pragma: no cover - set for the duration of read_data
+            raise RuntimeError("no planner")
         lay = None
         for req in r.reqs:
             if req.type == LoadItemType.BYTE_IO:
@@ -357,7 +428,7 @@ class Reader(StorageReader):
             if lay is None and parsed:
                 raw = bytes(mem)
                 lay = parse(raw, raw, len(raw))
-            dest = self._dest(planner, req)
+            dest = dest_of(req)
             if lay is not None:
                 itemsize = torch.empty(0, dtype=lay.dtype).element_size()
                 data = mem[lay.data_offset : lay.data_offset + lay.storage_numel * itemsize]
@@ -381,7 +452,7 @@ class Reader(StorageReader):
                 raise CheckpointFormatError(
                     f"{req.storage_index.fqn}: saved box {tuple(src.shape)}, destination {tuple(dest.shape)}"
                 )
-            await self._copy(dest, src, req)
+            await self._copy(dest, src)
             done.append((req, dest))
 
     @property
