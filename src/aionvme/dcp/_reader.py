@@ -21,6 +21,7 @@ one rank are read concurrently.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import io
 import math
 import os
@@ -64,8 +65,6 @@ class _Record:
     info: _StorageInfo
     reqs: list[ReadItem] = field(default_factory=list)
     whole: bool = False
-    head: bytes = b""
-    tail: bytes = b""
 
 
 def _contiguous_strides(size: Sequence[int]) -> tuple[int, ...]:
@@ -109,11 +108,21 @@ def _merge(ranges: list[tuple[int, int]], gap: int) -> list[list[int]]:
     return runs
 
 
-def _slice(got: list[tuple[int, memoryview]], begin: int, end: int) -> memoryview:
-    for b, mv in got:
-        if b <= begin and end <= b + len(mv):
-            return mv[begin - b : end - b]
-    raise RuntimeError("range not read")  # pragma: no cover - planned above
+class _Got:
+    """What a request read into scratch memory: (file offset, bytes) runs,
+    sorted and disjoint."""
+
+    def __init__(self, runs: list[tuple[int, memoryview]]) -> None:
+        self.runs = runs
+        self.starts = [b for b, _ in runs]
+
+    def slice(self, begin: int, end: int) -> memoryview:
+        i = bisect.bisect_right(self.starts, begin) - 1
+        if i >= 0:
+            b, mv = self.runs[i]
+            if end <= b + len(mv):
+                return mv[begin - b : end - b]
+        raise RuntimeError("range not read")  # pragma: no cover - planned before the read
 
 
 def _torch_view(mem: memoryview, dtype: torch.dtype) -> torch.Tensor:
@@ -150,7 +159,7 @@ class _Plan:
                 (r, req, lay, d, False, base + first * itemsize, (end - first) * itemsize, first)
             )
 
-    async def fetch(self, f: File, ranges: list[tuple[int, int]]) -> list[tuple[int, memoryview]]:
+    async def fetch(self, f: File, ranges: list[tuple[int, int]]) -> _Got:
         """One pread_many: ``ranges`` and the scratch reads into page-aligned
         memory (merged), the direct reads into their destinations."""
         ranges = ranges + [(b, b + n) for _, _, _, _, direct, b, n, _ in self.items if not direct and n]
@@ -166,10 +175,10 @@ class _Plan:
         batch.sort(key=lambda it: it[1])
         if batch:
             await f.pread_many(batch)
-        return [(b, mem[p + b - fs : p + n]) for p, fs, n, b in place]
+        return _Got([(b, mem[p + b - fs : p + n]) for p, fs, n, b in place])
 
     def finish(
-        self, got: list[tuple[int, memoryview]], records: set[int] | None, stats: dict[str, int]
+        self, got: _Got, records: set[int] | None, stats: dict[str, int]
     ) -> tuple[list[tuple[ReadItem, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]:
         """(request, destination) of the reads done for ``records`` (ids; all
         if None), and the (destination, source) copies left to make."""
@@ -187,16 +196,14 @@ class _Plan:
         return done, copies
 
 
-def _box_from(
-    got: list[tuple[int, memoryview]], lay: Layout, req: ReadItem, b: int, first: int
-) -> torch.Tensor:
+def _box_from(got: _Got, lay: Layout, req: ReadItem, b: int, first: int) -> torch.Tensor:
     """The box ``req`` reads, as a view of scratch memory starting at file
     offset ``b`` (storage element ``first``)."""
     if math.prod(req.lengths) == 0:
         return torch.empty(tuple(req.lengths), dtype=lay.dtype)
     itemsize = torch.empty(0, dtype=lay.dtype).element_size()
     _, end = _span(lay, req.storage_offsets, req.lengths)
-    mem = _slice(got, b, b + (end - first) * itemsize)
+    mem = got.slice(b, b + (end - first) * itemsize)
     flat = _torch_view(mem, lay.dtype)
     start = sum(o * st for o, st in zip(req.storage_offsets, lay.stride)) + lay.storage_offset - first
     return flat.as_strided(tuple(req.lengths), lay.stride, start)
@@ -359,7 +366,7 @@ class Reader(StorageReader):
                 if r.whole:
                     continue
                 o, n = r.info.offset, r.info.length
-                lay = parse(bytes(_slice(got, o, o + _PROBE)), bytes(_slice(got, o + n - _PROBE, o + n)), n)
+                lay = parse(bytes(got.slice(o, o + _PROBE)), bytes(got.slice(o + n - _PROBE, o + n)), n)
                 if lay is not None and predicted.get(id(r)) == lay:
                     continue
                 predicted.pop(id(r), None)
@@ -371,7 +378,7 @@ class Reader(StorageReader):
             for r in recs:
                 if r.whole:
                     await self._from_memory(
-                        r, _slice(got, r.info.offset, r.info.offset + r.info.length), done, dest
+                        r, got.slice(r.info.offset, r.info.offset + r.info.length), done, dest
                     )
             if retry.items or fallback:
                 # A second request: as parsed, or whole for torch.load.
@@ -384,7 +391,7 @@ class Reader(StorageReader):
                 copies += copies2
                 for r in fallback:
                     self.stats["fallbacks"] += 1
-                    mem = _slice(got2, r.info.offset, r.info.offset + r.info.length)
+                    mem = got2.slice(r.info.offset, r.info.offset + r.info.length)
                     await self._from_memory(r, mem, done, dest, parsed=False)
             for d, src in copies:
                 await self._copy(d, src)
