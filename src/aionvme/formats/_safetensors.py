@@ -42,6 +42,7 @@ from ._tensors import LIKE_NUMPY, Source, check_device, materialize, require_tor
 __all__ = [
     "load_safetensors",
     "load_safetensors_sharded",
+    "rank_owners",
     "read_header",
     "save_safetensors",
     "sync_load_safetensors",
@@ -290,6 +291,53 @@ def _read_index(index_path: str) -> dict[str, str]:
     return wm
 
 
+def _check_rank(rank: int | None, world_size: int | None) -> None:
+    if rank is None and world_size is None:
+        return
+    if rank is None or world_size is None:
+        raise ValueError("give both rank and world_size, or neither")
+    for name, v in (("rank", rank), ("world_size", world_size)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+
+
+def rank_owners(sizes: Sequence[tuple[str, int]], world_size: int) -> dict[str, int]:
+    """Which rank owns each tensor: ``sizes`` is (name, nbytes) in storage
+    order; the tensors laid end to end are cut into ``world_size`` equal byte
+    ranges, and a tensor belongs to the range holding its middle byte (so
+    every rank's share is within one tensor of ``total / world_size``, and a
+    rank's tensors are contiguous in the files). With no bytes at all, by
+    position, round robin."""
+    total = sum(n for _, n in sizes)
+    owners: dict[str, int] = {}
+    start = 0
+    for i, (name, n) in enumerate(sizes):
+        if total == 0:
+            owners[name] = i % world_size
+        else:
+            owners[name] = min(world_size - 1, (2 * start + n) * world_size // (2 * total))
+        start += n
+    return owners
+
+
+async def _owned(base: str, weight_map: dict[str, str], rank: int, world_size: int) -> set[str]:
+    """The tensors of the index that ``rank`` owns (see :func:`rank_owners`):
+    storage order is the shard files in sorted order, each in data order."""
+    files = sorted(set(weight_map.values()))
+    headers = await _gather_all([read_header(os.path.join(base, f)) for f in files])
+    sizes: list[tuple[str, int]] = []
+    for fname, header in zip(files, headers):
+        infos = sorted(header.tensors.values(), key=lambda t: (t.begin, t.name))
+        sizes += [(t.name, t.nbytes) for t in infos if weight_map.get(t.name) == fname]
+    owners = rank_owners(sizes, world_size)
+    missing = [n for n in weight_map if n not in owners]
+    if missing:
+        raise TensorNotFoundError(missing, os.path.join(base, weight_map[missing[0]]))
+    return {name for name, r in owners.items() if r == rank}
+
+
 async def load_safetensors_sharded(
     index_path: PathLike,
     *,
@@ -297,6 +345,8 @@ async def load_safetensors_sharded(
     dtype: Any = None,
     keys: Iterable[str] | None = None,
     like: str = "torch",
+    rank: int | None = None,
+    world_size: int | None = None,
 ) -> dict[str, Any]:
     """Load a sharded checkpoint from its ``model.safetensors.index.json``.
 
@@ -304,9 +354,24 @@ async def load_safetensors_sharded(
     index's directory) says which tensors to take from which shard; the shards
     are read concurrently. Tensors a shard holds but the index does not name
     are not loaded. Other parameters as for :func:`load_safetensors`.
+
+    Parameters
+    ----------
+    rank, world_size : int, optional
+        Load only the tensors ``rank`` of ``world_size`` owns (for an
+        inference server whose ranks each hold a part of the model): every
+        rank reads the shards' headers, then only its own tensors' bytes.
+        Ownership: the index's tensors, in storage order (shard files sorted
+        by name, tensors by offset), are cut into ``world_size`` equal byte
+        ranges; a tensor belongs to the rank whose range holds its middle
+        byte. Every tensor has exactly one owner, the split depends only on
+        the files (every rank computes the same one), each rank's share is
+        within one tensor of an equal split, and its tensors are contiguous
+        runs of the files. ``keys`` then restricts a rank's tensors further.
     """
     if like == "torch":
         require_torch(LIKE_NUMPY)
+    _check_rank(rank, world_size)
     dev = check_device(device, like)
     target = _target_dtype(dtype, like)
     index_path = os.fsdecode(index_path)
@@ -318,8 +383,11 @@ async def load_safetensors_sharded(
         if missing:
             raise TensorNotFoundError(missing, index_path)
         names = wanted
-    by_shard: dict[str, list[str]] = {}
     base = os.path.dirname(os.path.abspath(index_path))
+    if rank is not None and world_size is not None:
+        mine = await _owned(base, weight_map, rank, world_size)
+        names = [n for n in names if n in mine]
+    by_shard: dict[str, list[str]] = {}
     for name in names:
         by_shard.setdefault(os.path.normpath(os.path.join(base, weight_map[name])), []).append(name)
     parts = await _gather_all(

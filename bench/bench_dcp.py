@@ -1,0 +1,246 @@
+"""torch.distributed.checkpoint on aionvme vs torch's own storage and fio.
+
+    python3 bench/bench_dcp.py                                # 2 GiB, 1, 2 and 4 ranks
+    python3 bench/bench_dcp.py --size 256M --ranks 1,2 --torch-threads 1,4
+
+For each rank count it starts a real gloo process group (subprocesses, env://
+on 127.0.0.1) whose ranks hold ``size / ranks`` bytes of tensors each, and
+measures, with the page cache dropped before every step (run as root):
+
+- save with ``aionvme.dcp.Writer`` and with torch's ``FileSystemWriter`` at
+  each ``--torch-threads`` (the best is the baseline), fsync'd as both do;
+- load with ``aionvme.dcp.Reader`` and ``FileSystemReader`` (the aionvme
+  checkpoint; every byte is compared with the source afterwards);
+- how long ``dcp.async_save`` blocks the caller with each writer as the stager;
+- fio sequential write (``end_fsync``) and read of the same bytes, one job per
+  rank, O_DIRECT, libaio.
+
+Times are wall seconds from a barrier before the step to a barrier after it.
+Prints a Markdown table (``--json`` for the raw figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any
+
+TENSOR = 32 << 20  # bytes per tensor (the last ones of a rank smaller), plus small ones
+
+
+def _state(rank: int, nbytes: int) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(rank)
+    sd: dict[str, Any] = {}
+    left, i = nbytes, 0
+    while left > 0:
+        n = min(TENSOR, left)
+        elems = max(1, n // 2)
+        sd[f"rank{rank}.layer{i}.weight"] = torch.randn(elems, generator=g, dtype=torch.float32).bfloat16()
+        sd[f"rank{rank}.layer{i}.bias"] = torch.randn(1024, generator=g)
+        left -= elems * 2 + 4096
+        i += 1
+    sd[f"rank{rank}.step"] = 100
+    return sd
+
+
+def _drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def _worker(rank: int, world: int, port: str, base: str, per_rank: int, threads: list[int], out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import aionvme.dcp
+
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    sd = _state(rank, per_rank)
+    res: dict[str, Any] = {"cold": True}
+
+    def step(name: str, fn: Any) -> None:
+        dist.barrier()
+        if rank == 0:
+            res["cold"] = _drop_caches() and res["cold"]
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        res[name] = time.perf_counter() - t0
+
+    def clean(path: str) -> None:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        dist.barrier()
+
+    def dest() -> dict[str, Any]:
+        d = {k: (torch.ones_like(v) if isinstance(v, torch.Tensor) else None) for k, v in sd.items()}
+        return d  # touched: the load does not pay the first page faults
+
+    ours = f"{base}/ours"
+    step("save_aionvme", lambda: dcp.save(sd, storage_writer=aionvme.dcp.Writer(ours)))
+    for tc in threads:
+        p = f"{base}/torch{tc}"
+        step(
+            f"save_torch_t{tc}",
+            lambda p=p, tc=tc: dcp.save(sd, storage_writer=dcp.FileSystemWriter(p, thread_count=tc)),
+        )
+        clean(p)
+    for name, make in (("aionvme", aionvme.dcp.Reader), ("torch", dcp.FileSystemReader)):
+        got = dest()
+        step(f"load_{name}", lambda got=got, make=make: dcp.load(got, storage_reader=make(ours)))
+        bad = [k for k, v in sd.items() if isinstance(v, torch.Tensor) and not torch.equal(got[k], v)]
+        if bad or got[f"rank{rank}.step"] != 100:
+            raise SystemExit(f"rank {rank}: {name} loaded wrong data for {bad[:3]}")
+        del got
+    clean(ours)
+    for name, make in (("aionvme", aionvme.dcp.Writer), ("torch", dcp.FileSystemWriter)):
+        p = f"{base}/async_{name}"
+        dist.barrier()
+        t0 = time.perf_counter()
+        fut = dcp.async_save(sd, storage_writer=make(p))
+        blocked = time.perf_counter() - t0
+        fut.result()
+        res[f"async_block_{name}"] = max(t for t in _all_gather(dist, blocked))
+        clean(p)
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        with open(out, "w") as fh:
+            json.dump(res, fh)
+
+
+def _all_gather(dist: Any, x: float) -> list[float]:
+    got: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(got, x)
+    return [float(v) for v in got]
+
+
+def _fio(directory: str, rw: str, jobs: int, per_job: int) -> float:
+    """Wall seconds of fio moving jobs x per_job bytes sequentially."""
+    cmd = [
+        "fio",
+        "--name=dcp",
+        f"--directory={directory}",
+        f"--rw={rw}",
+        "--bs=4M",
+        "--iodepth=16",
+        "--ioengine=libaio",
+        "--direct=1",
+        f"--size={per_job}",
+        f"--numjobs={jobs}",
+        "--group_reporting",
+        "--output-format=json",
+    ] + (["--end_fsync=1"] if rw == "write" else [])
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    job = json.loads(out.stdout[out.stdout.index("{") :])["jobs"][0]
+    side = job["write"] if rw == "write" else job["read"]
+    return float(side["io_bytes"]) / max(side["bw_bytes"], 1)
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def run(world: int, size: int, threads: list[int], parent: str | None) -> dict[str, Any]:
+    base = tempfile.mkdtemp(prefix="aionvme-dcp-", dir=parent)
+    try:
+        out = os.path.join(base, "result.json")
+        port = _free_port()
+        args = [str(world), port, base, str(size // world), ",".join(map(str, threads)), out]
+        procs = [
+            subprocess.Popen([sys.executable, __file__, "--worker", str(r), *args]) for r in range(world)
+        ]
+        codes = [p.wait() for p in procs]
+        if any(codes):
+            raise SystemExit(f"{world} ranks: a rank failed ({codes})")
+        with open(out) as fh:
+            res: dict[str, Any] = json.load(fh)
+        if shutil.which("fio"):
+            fio_dir = os.path.join(base, "fio")
+            os.makedirs(fio_dir)
+            _drop_caches()
+            res["fio_write"] = _fio(fio_dir, "write", world, size // world)
+            _drop_caches()
+            res["fio_read"] = _fio(fio_dir, "read", world, size // world)
+        res["ranks"], res["bytes"] = world, size
+        return res
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def report(results: list[dict[str, Any]], threads: list[int]) -> str:
+    lines = [
+        "| ranks | op | aionvme | torch (best threads) | fio | vs torch | vs fio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        gb = r["bytes"] / 1e9
+        best_tc = min(threads, key=lambda tc: r[f"save_torch_t{tc}"])
+        rows = [
+            ("save", r["save_aionvme"], r[f"save_torch_t{best_tc}"], f" (t={best_tc})", r.get("fio_write")),
+            ("load", r["load_aionvme"], r["load_torch"], "", r.get("fio_read")),
+        ]
+        for op, ours, theirs, note, fio in rows:
+            fio_s = f"{fio:.2f} s ({gb / fio:.2f} GB/s)" if fio else "-"
+            vs_fio = f"{fio / ours:.2f}x" if fio else "-"
+            lines.append(
+                f"| {r['ranks']} | {op} | {ours:.2f} s ({gb / ours:.2f} GB/s) | "
+                f"{theirs:.2f} s ({gb / theirs:.2f} GB/s){note} | {fio_s} | {theirs / ours:.2f}x | {vs_fio} |"
+            )
+        ours_b, torch_b = r["async_block_aionvme"], r["async_block_torch"]
+        lines.append(
+            f"| {r['ranks']} | async_save blocks | {ours_b:.3f} s | {torch_b:.3f} s | - "
+            f"| {torch_b / ours_b:.2f}x | - |"
+        )
+    cold = all(r["cold"] for r in results)
+    lines.append("")
+    lines.append("page cache dropped before every step" if cold else "page cache NOT dropped (not root)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--worker":
+        rank, world, port, base, per_rank, threads, out = argv[1:8]
+        _worker(int(rank), int(world), port, base, int(per_rank), [int(t) for t in threads.split(",")], out)
+        return 0
+    from aionvme.defaults import parse_size
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="2G", help="bytes of the whole state dict (default 2G)")
+    ap.add_argument("--ranks", default="1,2,4", help="rank counts (default 1,2,4)")
+    ap.add_argument("--torch-threads", default="1,4,8", help="FileSystemWriter thread_count values")
+    ap.add_argument("--dir", default=None, help="where the checkpoints go (default: a local temp dir)")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    size = parse_size(a.size)
+    threads = [int(t) for t in a.torch_threads.split(",")]
+    results = [run(int(w), size, threads, a.dir) for w in a.ranks.split(",")]
+    print(json.dumps(results, indent=1) if a.json else report(results, threads))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

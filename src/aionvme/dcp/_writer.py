@@ -1,0 +1,351 @@
+"""``aionvme.dcp.Writer``: a torch.distributed.checkpoint StorageWriter that
+writes each rank's items into one file with batched O_DIRECT writes.
+
+On disk it is what ``FileSystemWriter`` writes (so ``FileSystemReader`` loads
+it): ``.distcp`` data files holding, per item, a whole torch.save archive (a
+tensor) or the raw bytes (other objects), and a pickled ``Metadata`` in
+``.metadata`` whose ``storage_data`` maps each item to
+``_StorageInfo(relative_path, offset, length)``. The layout differs only in
+where the records sit: each tensor's storage bytes start on a 4 KiB boundary
+of the file, so they go from the tensor's memory to the device with O_DIRECT,
+and all the small pieces (the archives' headers and trailers, the byte items,
+the partial pages at the ends of tensors) are gathered into page-aligned
+buffers. Every write is whole pages: no read-modify-write.
+
+Crash safety: data files get fresh names in every save (a random token in
+the name), are fsynced, and their directory entries too, before the metadata
+is written through :func:`aionvme.atomic_write` (temporary name, fsync,
+rename, directory fsync). Until that rename, the directory's previous
+``.metadata`` and the files it names are untouched; after it, the data files
+no committed metadata names are removed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import pickle
+import re
+import secrets
+import uuid
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from ..atomic import atomic_write, fsync_dir
+from ..file import File
+from ..memory import empty
+from ._common import METADATA, PAGE, SUFFIX, align_up, run
+from ._record import template
+from ._stage import Stager
+
+__all__ = ["Writer"]
+
+# Names of the data files written by DCP writers: ours are __{rank}_{token}_{n}.distcp,
+# torch's __{rank}_{n}.distcp. Only such files are removed as stale after a commit.
+_DATA_NAME = re.compile(r"^__\d+_[0-9A-Za-z_]*\.distcp$")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prefix:
+    """SavePlan.storage_data: the file name prefix of one rank in one save."""
+
+    prefix: str
+
+
+class _Pages:
+    """Small pieces of a file (headers, trailers, byte items, partial pages),
+    gathered into page-aligned buffers covering whole pages: each run of
+    touched pages becomes one buffer and one O_DIRECT write."""
+
+    def __init__(self) -> None:
+        self.pieces: list[tuple[int, Any]] = []  # (file offset, bytes-like or uint8 tensor)
+
+    def add(self, offset: int, data: Any) -> None:
+        if len(data):
+            self.pieces.append((offset, data))
+
+    def buffers(self) -> list[tuple[np.ndarray, int]]:
+        self.pieces.sort(key=lambda p: p[0])
+        runs: list[list[Any]] = []  # [first page, end page, pieces]
+        for off, data in self.pieces:
+            first, end = off // PAGE, (off + len(data) + PAGE - 1) // PAGE
+            if runs and first <= runs[-1][1]:
+                runs[-1][1] = max(runs[-1][1], end)
+                runs[-1][2].append((off, data))
+            else:
+                runs.append([first, end, [(off, data)]])
+        out = []
+        for first, end, pieces in runs:
+            buf = empty((end - first) * PAGE)  # zero-filled, page-aligned
+            base = first * PAGE
+            for off, data in pieces:
+                if isinstance(data, torch.Tensor):
+                    buf[off - base : off - base + len(data)] = data.numpy()
+                else:
+                    buf[off - base : off - base + len(data)] = np.frombuffer(data, dtype=np.uint8)
+            out.append((buf, base))
+        return out
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor as a flat uint8 tensor (no copy)."""
+    flat = t.reshape(-1)
+    if flat.dtype == torch.uint8:
+        return flat
+    if flat.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return flat.view(torch.uint8)
+
+
+def _host_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous CPU tensor: itself when it is one, else a copy
+    into page-aligned memory (so the copy's write is zero-copy O_DIRECT)."""
+    t = t.detach()
+    if t.is_conj() or t.is_neg():  # lazy views: the memory does not hold the values
+        t = t.resolve_conj().resolve_neg()
+    if t.device.type == "cpu" and t.is_contiguous():
+        return t
+    out: torch.Tensor = empty(tuple(t.shape), t.dtype, like="torch")
+    out.copy_(t)
+    return out
+
+
+class _Layout:
+    """Places one rank's items in one file and collects what to write."""
+
+    def __init__(self, relative_path: str) -> None:
+        self.relative_path = relative_path
+        self.pos = 0
+        self.pages = _Pages()
+        self.bodies: list[tuple[Any, int]] = []  # (uint8 tensor, file offset), whole pages
+        self.keep: list[Any] = []  # tensors that must outlive the writes
+        self.results: list[WriteResult] = []
+
+    def _result(self, item: WriteItem, offset: int, length: int) -> None:
+        info = _StorageInfo(self.relative_path, offset, length)
+        self.results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
+
+    def add_bytes(self, item: WriteItem, data: Any) -> None:
+        raw = bytes(data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data))
+        self.pages.add(self.pos, raw)
+        self._result(item, self.pos, len(raw))
+        self.pos += len(raw)
+
+    def add_tensor(self, item: WriteItem, value: torch.Tensor) -> None:
+        t = _host_contiguous(value)
+        tpl = template(t.dtype, tuple(t.shape)) if t.layout == torch.strided and not t.is_quantized else None
+        if tpl is None:  # not a plain tensor: the whole archive, as torch's writer makes it
+            buf = io.BytesIO()
+            torch.save(t, buf)
+            self.add_bytes(item, buf)
+            return
+        data = _byte_view(t)
+        nbytes = len(data)
+        if nbytes == 0:  # nothing to align
+            self.add_bytes(item, tpl.head + tpl.tail)
+            return
+        head = len(tpl.head)
+        start = align_up(self.pos + head) - head  # the storage bytes start on a page
+        body = nbytes // PAGE * PAGE
+        self.pages.add(start, tpl.head)
+        if body:
+            self.bodies.append((data[:body], start + head))
+        if nbytes > body:
+            self.pages.add(start + head + body, data[body:])
+        self.pages.add(start + head + nbytes, tpl.tail)
+        length = head + nbytes + len(tpl.tail)
+        self.keep.append(t)
+        self._result(item, start, length)
+        self.pos = start + length
+
+
+async def _write_file(path: str, layout: _Layout, sync: bool) -> None:
+    items: list[tuple[Any, int]] = list(layout.bodies)
+    items += layout.pages.buffers()
+    items.sort(key=lambda it: it[1])
+    f = File(path, "w")
+    try:
+        if items:
+            await f.pwrite_many(items)
+        f.truncate(layout.pos)  # the last page was written whole
+        if sync:
+            await f.fsync()
+    finally:
+        f.close()
+
+
+class Writer(StorageWriter, Stager):
+    """A ``torch.distributed.checkpoint`` storage writer on aionvme.
+
+    ::
+
+        import torch.distributed.checkpoint as dcp, aionvme.dcp
+        dcp.save(state_dict, storage_writer=aionvme.dcp.Writer("/nvme/ckpt/step100"))
+        fut = dcp.async_save(state_dict, storage_writer=aionvme.dcp.Writer("/nvme/ckpt/step200"))
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The checkpoint directory (made if missing).
+    sync_files : bool, default True
+        fsync the data files, then their directory, before the metadata is
+        committed. Without it a crash may leave a committed checkpoint whose
+        data is not on the device.
+    overwrite : bool, default True
+        Save over a checkpoint already in ``path`` (its files are replaced
+        only once the new checkpoint is committed); False raises
+        ``FileExistsError`` instead.
+    cache_staged_state_dict : bool, default False
+        For ``dcp.async_save``: keep the page-aligned staging buffers and
+        copy the next state dict of the same shapes into them.
+    remove_stale : bool, default True
+        After the commit, remove the ``__*.distcp`` data files in ``path``
+        that the new metadata does not name (those of the checkpoint it
+        replaced, or of an interrupted save).
+
+    Notes
+    -----
+    Each rank writes one file, ``__{rank}_{token}_0.distcp``, in one batch of
+    O_DIRECT writes: tensors' storage bytes straight from their memory (a
+    tensor that is not contiguous, or not on the CPU, is first copied into
+    page-aligned memory), everything else from page-aligned buffers. The file
+    is fsynced, then the directory. The coordinator then writes ``.metadata``
+    atomically: a crash at any point leaves the previous checkpoint in
+    ``path`` loadable, or the new one complete.
+
+    The format is ``FileSystemWriter``'s: ``FileSystemReader`` loads these
+    checkpoints and :class:`aionvme.dcp.Reader` loads torch's. The records'
+    CRC-32 fields are 0, as torch.save writes them with
+    ``torch.serialization.set_crc32_options(False)`` (torch.load does not
+    check them).
+
+    As an ``AsyncStager`` (what ``dcp.async_save`` uses when given this
+    writer), :meth:`stage` copies the state dict into page-aligned memory
+    (pinned for CUDA tensors) before ``async_save`` returns; the write then
+    runs on a thread with no copy left to make.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        sync_files: bool = True,
+        overwrite: bool = True,
+        cache_staged_state_dict: bool = False,
+        remove_stale: bool = True,
+    ) -> None:
+        StorageWriter.__init__(self)
+        Stager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
+        self.path = os.fspath(path)
+        self.sync_files = sync_files
+        self.overwrite = overwrite
+        self.remove_stale = remove_stale
+        self.save_id = str(uuid.uuid4())
+        self.rank: int | None = None
+        self.use_collectives = True
+        self.is_coordinator = False
+
+    # -- StorageWriter -------------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id:
+            self.path = os.fspath(checkpoint_id)
+        self.save_id = str(uuid.uuid4())
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+
+    def _metadata_path(self, rank: int | None = None) -> str:
+        name = METADATA if rank is None else f"__{rank}{METADATA}"
+        return os.path.join(self.path, name)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        os.makedirs(self.path, exist_ok=True)
+        existing = self._metadata_path(None if self.use_collectives else 0)
+        if os.path.exists(existing) and not self.overwrite:
+            raise FileExistsError(f"a checkpoint exists in {self.path} and overwrite=False")
+        if self.rank is not None and not self.use_collectives:
+            plan = dataclasses.replace(plan, storage_data=_Prefix(f"__{self.rank}_{secrets.token_hex(4)}_"))
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        token = secrets.token_hex(4)
+        return [
+            dataclasses.replace(p, storage_data=_Prefix(f"__{i}_{token}_")) if p.storage_data is None else p
+            for i, p in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        storage = plan.storage_data
+        prefix = (
+            storage.prefix if isinstance(storage, _Prefix) else f"__{self.rank or 0}_{secrets.token_hex(4)}_"
+        )
+        name = f"{prefix}0{SUFFIX}"
+        layout = _Layout(name)
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                layout.add_bytes(item, planner.resolve_data(item))
+        for item in plan.items:
+            if item.type != WriteItemType.BYTE_IO:
+                data = planner.resolve_data(item)
+                if not isinstance(data, torch.Tensor):
+                    raise TypeError(f"{item.index.fqn}: the planner resolved a tensor item to {type(data)}")
+                layout.add_tensor(item, data)
+        run(_write_file(os.path.join(self.path, name), layout, self.sync_files))
+        if self.sync_files:
+            fsync_dir(self.path)  # the new file's directory entry, before any metadata names it
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(layout.results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        metadata.version = "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION
+        storage_md = {}
+        for wr_list in results:
+            storage_md.update({wr.index: wr.storage_data for wr in wr_list})
+        metadata.storage_data = storage_md
+        metadata.storage_meta = self.storage_meta()
+        rank_local = not self.use_collectives and self.rank is not None
+        target = self._metadata_path(self.rank if rank_local else None)
+        raw = pickle.dumps(metadata)
+        with atomic_write(target, durable=self.sync_files) as f:
+            if raw:
+                f.sync_pwrite(raw, 0)
+        if self.remove_stale and not rank_local:
+            self._remove_stale({info.relative_path for info in storage_md.values()})
+
+    def _remove_stale(self, referenced: set[str]) -> None:
+        try:
+            names = os.listdir(self.path)
+        except OSError:
+            return
+        for name in names:
+            if _DATA_NAME.match(name) and name not in referenced:
+                try:
+                    os.unlink(os.path.join(self.path, name))
+                except FileNotFoundError:
+                    pass
+                except OSError as e:  # the checkpoint is committed: a leftover file is no error
+                    warnings.warn(f"could not remove stale checkpoint file {name}: {e}", stacklevel=3)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return "://" not in os.fspath(checkpoint_id)
