@@ -167,7 +167,7 @@ class TieredStore:
         self.paths = [os.path.abspath(os.fspath(p)) for p in paths]
         self.persist = bool(persist)
         self.timeout = timeout
-        self.copy_threshold = 4 << 20  # bigger copies run on a thread (the loop never stalls long)
+        self.copy_threshold = 8 << 20  # bigger copies run on a thread (the loop never stalls long)
         factory = make_policy(policy)
         self.admission = make_admission(admit)
         self._closed = False
