@@ -206,7 +206,11 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
         label = "prefetch next" if pf else "no prefetch"
         a1.plot([r["working_set_x"] for r in pts], [r["hit_ratio"] for r in pts], "o-", label=label)
         a2.plot([r["working_set_x"] for r in pts], [r["GBps"] for r in pts], "o-", label=label)
-    a1.set(xlabel="working set / host tier", ylabel="host hit ratio", title="hit ratio (LRU, cyclic scan)")
+    a1.set(
+        xlabel="working set / host tier",
+        ylabel="host hit ratio",
+        title="hit ratio (LRU, cyclic scan; a get\nwaiting for its prefetch counts as a hit)",
+    )
     a2.set(xlabel="working set / host tier", ylabel="GB/s", title="get throughput")
     for a in (a1, a2):
         a.legend()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 
@@ -473,3 +474,39 @@ def test_extent_allocator_coalesces_and_finds_best_fit():
     with pytest.raises(ValueError):
         a.free(offs[0], 4096)  # a double free is refused, not absorbed
     assert a.used + a.free_bytes == a.capacity
+
+
+async def test_cancelled_put_leaves_the_key_as_it_was_and_nothing_leaks(tmp_path):
+    n = 64 * KiB
+    async with TieredStore(tmp_path, host=2 * n) as s:
+        await s.put("k", np.full(n, 1, np.uint8))
+        await s.put("other", np.full(n, 2, np.uint8))
+        async with s.hold("k"), s.hold("other"):
+            t = asyncio.ensure_future(s.put("k", np.full(n, 3, np.uint8)))  # waits for room
+            await asyncio.sleep(0.01)
+            t.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await t
+        assert (await s.get("k") == 1).all()
+        # a cancelled cold read: the extent stays whole, the key stays readable
+        await s.evict("k")
+        g = asyncio.ensure_future(s.get("k"))
+        await asyncio.sleep(0)
+        g.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await g
+        assert (await s.get("k") == 1).all()
+        await s.delete("k")
+        await s.delete("other")
+        await asyncio.sleep(0.01)
+        st = s.stats()
+        assert st["host"]["used"] == 0 and st["nvme"]["used"] == 0 and not s._klocks
+
+
+def test_a_store_belongs_to_one_loop(tmp_path):
+    s = TieredStore(tmp_path, host="1M")
+    asyncio.run(s.put("a", rand(10)))
+    with pytest.raises(StoreClosedError):
+        asyncio.run(s.get("a"))  # another loop: refused, not corrupted
+    s.close_sync()
+    assert slab_files(tmp_path) == []
