@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import os
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -176,6 +177,7 @@ class TieredStore:
         self._klocks: dict[Hashable, collections.deque[asyncio.Future[None]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._compact_lock: asyncio.Lock | None = None
+        self._cleaning: asyncio.Task[None] | None = None
         self.errors: list[BaseException] = []  # failures of prefetches nobody awaited
         host_b = defaults.parse_size(host)
         gpu_b = _sizes(gpu)
@@ -365,6 +367,13 @@ class TieredStore:
                 got = tier.try_alloc(nbytes)  # type: ignore[attr-defined]
                 if got is not None:
                     return got
+                cleaner = self._cleaning
+                if tier is self._host and cleaner is not None and not cleaner.done():
+                    # the coldest values are being written already: wait for
+                    # them (then they drop at once) rather than evict hotter ones
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(cleaner)
+                    continue
                 short = nbytes - (tier.capacity - tier.used)
                 victims: list[Entry] = []
                 freed = 0
@@ -622,6 +631,80 @@ class TieredStore:
                 self._index[e.key] = e
                 if old is not None:
                     self._retire(old)
+        self._kick_cleaner()
+
+    # -- write-back cleaning ------------------------------------------------------------
+
+    def _kick_cleaner(self) -> None:
+        """persist=False: when the host tier is three quarters full, write its
+        coldest values that have no NVMe copy yet (a quarter of the tier, one
+        batched write) in the background. They stay in memory, now clean, so
+        the put that needs room later drops them at once instead of waiting
+        for a write: evictions overlap with the puts that cause them."""
+        h = self._host
+        busy = self._cleaning is not None and not self._cleaning.done()
+        if self.persist or busy or self._closed or h.used * 4 < h.capacity * 3:
+            return
+        task = asyncio.get_running_loop().create_task(self._clean())
+        self._cleaning = task
+        self._tasks.add(task)
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._tasks.discard(t)
+            if self._cleaning is t:
+                self._cleaning = None
+            if not t.cancelled() and t.exception() is not None:
+                self.errors.append(t.exception())  # type: ignore[arg-type]
+                del self.errors[:-16]
+
+        task.add_done_callback(done)
+
+    async def _clean(self) -> None:
+        h = self._host
+        budget = max(h.capacity // 4, 1)
+        dirty: list[Entry] = []
+        total = 0
+        for cand in h.policy.victims():
+            e: Entry = cand  # type: ignore[assignment]
+            if (
+                e in h.entries
+                and e.disk is None
+                and e.gpu is None
+                and e.host is not None
+                and e.refs == 0
+                and not e.moving
+                and e.loading is None
+            ):
+                dirty.append(e)
+                total += round_up(e.nbytes)
+                if total >= budget:
+                    break
+        if not dirty:
+            return
+        for e in dirty:
+            e.moving = True
+            e.refs += 1
+        exts: list[Extents] = []
+        try:
+            for e in dirty:
+                exts.append(await self._nvme.allocate(e.nbytes))
+            await self._nvme.write(
+                [(x, h.view(e.host, e.nbytes, True)) for x, e in zip(exts, dirty)]  # type: ignore[arg-type]
+            )
+        except BaseException:
+            for x in exts:
+                self._nvme.free(x)
+            raise
+        finally:
+            for e in dirty:
+                e.moving = False
+                self._unref_host(e)
+            h.notify()
+        for x, e in zip(exts, dirty):
+            if e.dead or e.disk is not None:
+                self._nvme.free(x)
+            else:
+                e.disk = x
 
     async def _write_through(self, entries: list[Entry]) -> None:
         """persist=True: the NVMe copy of new entries (they stay in memory, clean).
