@@ -510,3 +510,16 @@ def test_a_store_belongs_to_one_loop(tmp_path):
         asyncio.run(s.get("a"))  # another loop: refused, not corrupted
     s.close_sync()
     assert slab_files(tmp_path) == []
+
+
+def test_journal_folds_into_a_snapshot_while_puts_go_on(tmp_path):
+    with SyncTieredStore(tmp_path, host="16K", persist=True) as s:
+        s.aio._journal.snapshot_records = 5  # fold every few records
+        for i in range(30):
+            s.put(f"k{i}", rand(100 + i, i))
+        s.delete("k3")
+        assert s.aio._journal.generation > 2 and s.aio._journal.records <= 6
+    with SyncTieredStore(tmp_path, host="16K", persist=True) as s:
+        assert len(s) == 29 and "k3" not in s
+        for i in (0, 17, 29):
+            assert np.array_equal(s.get(f"k{i}"), rand(100 + i, i))

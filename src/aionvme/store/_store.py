@@ -754,12 +754,6 @@ class TieredStore:
         await self._journal.append(
             [{"op": "put", "k": e.key, "m": e.meta.to_json(), "x": e.disk or []} for e in entries]
         )
-        self._maybe_snapshot()
-
-    def _maybe_snapshot(self) -> None:
-        j = self._journal
-        if j is not None and (j.records > 100_000 or j.nbytes > (64 << 20)):
-            j.write_snapshot(self._slab_paths(), self._index_json())
 
     # -- get ------------------------------------------------------------------------------
 
@@ -1013,7 +1007,6 @@ class TieredStore:
             e = self._lookup(key)
             if self._journal is not None:
                 await self._journal.append([{"op": "del", "k": key}])
-                self._maybe_snapshot()
             if self._index.get(key) is e:
                 del self._index[key]
                 self._retire(e)
