@@ -523,3 +523,16 @@ def test_journal_folds_into_a_snapshot_while_puts_go_on(tmp_path):
         assert len(s) == 29 and "k3" not in s
         for i in (0, 17, 29):
             assert np.array_equal(s.get(f"k{i}"), rand(100 + i, i))
+
+
+def test_an_unclosed_scratch_store_warns_and_removes_its_slab(tmp_path):
+    import gc
+
+    s = TieredStore(tmp_path, host="1M")
+    asyncio.run(s.put("a", rand(2000)))
+    asyncio.run(asyncio.sleep(0))
+    assert len(slab_files(tmp_path)) == 1
+    with pytest.warns(ResourceWarning, match="unclosed"):
+        del s
+        gc.collect()
+    assert slab_files(tmp_path) == []

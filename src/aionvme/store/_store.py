@@ -6,6 +6,7 @@ import asyncio
 import collections
 import contextlib
 import os
+import warnings
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -1191,6 +1192,16 @@ class TieredStore:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True) or not hasattr(self, "_nvme"):
+            return
+        warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=2, source=self)
+        self._closed = True
+        with contextlib.suppress(Exception):
+            if self._journal is not None:
+                self._journal.close()
+            self._nvme.close(remove=not self.persist)  # a scratch store leaves no slab behind
 
     async def __aenter__(self) -> TieredStore:
         return self
