@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 
@@ -389,3 +390,149 @@ async def test_gpu_tier_roundtrip(tmp_path):
         assert s.where("g") == ["nvme"]
         async with s.hold("g", device="cuda") as h:
             assert h.is_cuda and torch.equal(h, v)
+
+
+async def test_compaction_joins_free_space_when_fragmented(tmp_path):
+    n = 64 * KiB
+    for persist in (False, True):
+        d = tmp_path / f"p{persist}"
+        async with TieredStore(d, host=0, nvme=8 * n, persist=persist) as s:
+            for i in range(8):
+                await s.put(f"k{i}", np.full(n, i, np.uint8))
+            for i in range(0, 8, 2):
+                await s.delete(f"k{i}")  # four holes of 64 KiB
+            st = s.stats()["nvme"]
+            assert st["free_extents"] == 4 and st["fragmentation"] > 0.7
+            # 128 KiB fits in no hole: the allocation compacts, then succeeds
+            await s.put("big", np.full(2 * n, 9, np.uint8))
+            st = s.stats()["nvme"]
+            assert st["compactions"] >= 1 and st["used"] == 6 * n
+            for i in range(1, 8, 2):
+                assert (await s.get(f"k{i}") == i).all()
+            assert (await s.get("big") == 9).all()
+        if persist:  # the moves were journaled: a reopen finds every value where it went
+            async with TieredStore(d, host=0, nvme=8 * n, persist=True) as s:
+                for i in range(1, 8, 2):
+                    assert (await s.get(f"k{i}") == i).all()
+                assert (await s.get("big") == 9).all()
+
+
+async def test_compact_skips_values_being_read(tmp_path):
+    n = 256 * KiB
+    async with TieredStore(tmp_path, host=0, nvme=4 * n) as s:
+        for i in range(4):
+            await s.put(i, np.full(n, i, np.uint8))
+        await s.delete(0)
+        reads = [asyncio.ensure_future(s.get(i)) for i in (1, 2, 3)]
+        await asyncio.sleep(0)
+        moved = await s.compact()  # all three are being read: nothing moves under the reads
+        assert moved == 0
+        for i, r in zip((1, 2, 3), reads):
+            assert (await r == i).all()
+        assert await s.compact() == 3 * n
+        assert s.stats()["nvme"]["free_extents"] == 1
+        for i in (1, 2, 3):
+            assert (await s.get(i) == i).all()
+
+
+def test_journal_torn_tail_is_cut_and_the_rest_replayed(tmp_path):
+    with SyncTieredStore(tmp_path, host=0, persist=True) as s:
+        s.put("a", rand(1000, 1))
+    # a crash after two more records: the second one torn halfway
+    s = SyncTieredStore(tmp_path, host=0, persist=True)
+    s.put("b", rand(1000, 2))
+    s.put("c", rand(1000, 3))
+    journal = tmp_path / "aionvme-store.journal"
+    size = journal.stat().st_size
+    s.aio._journal.close()  # no clean close: the snapshot is not rewritten
+    s.aio._nvme.close(remove=False)
+    s.aio._closed = True
+    s.close()
+    os.truncate(journal, size - 10)
+    with SyncTieredStore(tmp_path, host=0, persist=True) as s:
+        assert sorted(s.keys()) == ["a", "b"]
+        assert np.array_equal(s.get("b"), rand(1000, 2))
+        s.put("d", rand(10, 4))  # appends after the cut
+    with SyncTieredStore(tmp_path, host=0, persist=True) as s:
+        assert sorted(s.keys()) == ["a", "b", "d"]
+
+
+def test_extent_allocator_coalesces_and_finds_best_fit():
+    from aionvme.store import ExtentAllocator
+
+    a = ExtentAllocator(10 * 4096)
+    offs = [a.alloc(4096) for _ in range(10)]
+    assert offs == [i * 4096 for i in range(10)] and a.alloc(1) is None
+    for i in (1, 2, 5, 7, 8):
+        a.free(offs[i], 4096)
+    assert a.extents() == [(4096, 8192), (5 * 4096, 4096), (7 * 4096, 8192)]
+    assert a.alloc(4096) == 5 * 4096  # best fit: the one-page hole
+    assert a.alloc(8000) == 4096  # lowest of the equal fits
+    with pytest.raises(ValueError):
+        a.free(offs[0] + 1, 4096)
+    a.free(offs[0], 4096)
+    with pytest.raises(ValueError):
+        a.free(offs[0], 4096)  # a double free is refused, not absorbed
+    assert a.used + a.free_bytes == a.capacity
+
+
+async def test_cancelled_put_leaves_the_key_as_it_was_and_nothing_leaks(tmp_path):
+    n = 64 * KiB
+    async with TieredStore(tmp_path, host=2 * n) as s:
+        await s.put("k", np.full(n, 1, np.uint8))
+        await s.put("other", np.full(n, 2, np.uint8))
+        async with s.hold("k"), s.hold("other"):
+            t = asyncio.ensure_future(s.put("k", np.full(n, 3, np.uint8)))  # waits for room
+            await asyncio.sleep(0.01)
+            t.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await t
+        assert (await s.get("k") == 1).all()
+        # a cancelled cold read: the extent stays whole, the key stays readable
+        await s.evict("k")
+        g = asyncio.ensure_future(s.get("k"))
+        await asyncio.sleep(0)
+        g.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await g
+        assert (await s.get("k") == 1).all()
+        await s.delete("k")
+        await s.delete("other")
+        await asyncio.sleep(0.01)
+        st = s.stats()
+        assert st["host"]["used"] == 0 and st["nvme"]["used"] == 0 and not s._klocks
+
+
+def test_a_store_belongs_to_one_loop(tmp_path):
+    s = TieredStore(tmp_path, host="1M")
+    asyncio.run(s.put("a", rand(10)))
+    with pytest.raises(StoreClosedError):
+        asyncio.run(s.get("a"))  # another loop: refused, not corrupted
+    s.close_sync()
+    assert slab_files(tmp_path) == []
+
+
+def test_journal_folds_into_a_snapshot_while_puts_go_on(tmp_path):
+    with SyncTieredStore(tmp_path, host="16K", persist=True) as s:
+        s.aio._journal.snapshot_records = 5  # fold every few records
+        for i in range(30):
+            s.put(f"k{i}", rand(100 + i, i))
+        s.delete("k3")
+        assert s.aio._journal.generation > 2 and s.aio._journal.records <= 6
+    with SyncTieredStore(tmp_path, host="16K", persist=True) as s:
+        assert len(s) == 29 and "k3" not in s
+        for i in (0, 17, 29):
+            assert np.array_equal(s.get(f"k{i}"), rand(100 + i, i))
+
+
+def test_an_unclosed_scratch_store_warns_and_removes_its_slab(tmp_path):
+    import gc
+
+    s = TieredStore(tmp_path, host="1M")
+    asyncio.run(s.put("a", rand(2000)))
+    asyncio.run(asyncio.sleep(0))
+    assert len(slab_files(tmp_path)) == 1
+    with pytest.warns(ResourceWarning, match="unclosed"):
+        del s
+        gc.collect()
+    assert slab_files(tmp_path) == []

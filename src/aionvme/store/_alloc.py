@@ -96,6 +96,22 @@ class ExtentAllocator:
         self.free_bytes -= need
         return best
 
+    def alloc_below(self, nbytes: int, limit: int) -> int | None:
+        """The lowest-placed extent for nbytes that ends at or before ``limit``
+        (compaction moves data down into it), or None."""
+        need = self.size_of(nbytes)
+        for o in self._offs:
+            if o + need > limit:
+                return None
+            ln = self._lens[o]
+            if ln >= need:
+                self._remove(o)
+                if ln > need:
+                    self._put(o + need, ln - need)
+                self.free_bytes -= need
+                return o
+        return None
+
     def reserve(self, offset: int, nbytes: int) -> None:
         """Mark [offset, offset + size_of(nbytes)) used (rebuilding from an index).
 

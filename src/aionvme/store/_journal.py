@@ -153,6 +153,9 @@ class Journal:
         self._pending: list[bytes] = []
         self._fd = -1
         self.broken: OSError | None = None
+        # the journal is folded into a new snapshot past either size
+        self.snapshot_records = 100_000
+        self.snapshot_bytes = 64 << 20
         if valid < 0:
             self._restart(generation)
         else:
@@ -182,11 +185,20 @@ class Journal:
             raise self.broken
         try:
             self._write(batch)
+            if self.records > self.snapshot_records or self.nbytes > self.snapshot_bytes:
+                self._compact_from_files()
         except OSError as e:
             # a record may be half-written: later ones would follow garbage and
             # be cut at replay, so nothing more is appended to this journal
             self.broken = e
             raise
+
+    def _compact_from_files(self) -> None:
+        """Fold the journal into a new snapshot, from the files themselves (on
+        the commit thread, between two flushes: no record can slip in between
+        reading the journal and restarting it)."""
+        _gen, slabs, entries, _valid = load_index(self.snapshot_path, self.path)
+        self.write_snapshot(slabs or [], entries)
 
     def _write(self, batch: list[bytes]) -> None:
         if batch:

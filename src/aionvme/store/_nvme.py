@@ -14,7 +14,7 @@ import contextlib
 import errno
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from .. import file as _file
@@ -96,6 +96,8 @@ class NvmeTier:
             self.close(remove=not persist)
             raise
         self._grow_lock: asyncio.Lock | None = None
+        # set by the store: moves extents to join free space, returns bytes moved
+        self.compactor: Callable[[], Awaitable[int]] | None = None
         self._next = 0
         self.stats: dict[str, float] = {
             "hits": 0,
@@ -108,6 +110,10 @@ class NvmeTier:
         }
 
     # -- space ---------------------------------------------------------------------
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(s.alloc.free_bytes for s in self.slabs)
 
     @property
     def used(self) -> int:
@@ -166,10 +172,22 @@ class NvmeTier:
             ext = self._try_alloc(nbytes)
             if ext is not None:
                 return ext
-            await self._grow(nbytes)
+            full: StoreFullError | None = None
+            try:
+                await self._grow(nbytes)
+            except StoreFullError as e:
+                full = e
             ext = self._try_alloc(nbytes)
             if ext is not None:
                 return ext
+            # enough free bytes, but in pieces: move extents down to join them
+            if self.compactor is not None and self.free_bytes >= round_up(max(nbytes, 1)):
+                await self.compactor()
+                ext = self._try_alloc(nbytes)
+                if ext is not None:
+                    return ext
+            if full is not None:
+                raise full
         raise StoreFullError(
             f"the NVMe tier has no room for {nbytes} bytes ({self.used} of {self.capacity} used, "
             f"largest free extent {max((s.alloc.largest_free() for s in self.slabs), default=0)})",
@@ -193,7 +211,13 @@ class NvmeTier:
             short = need - s.alloc.tail_free()
             if short <= 0:
                 continue
-            step = round_up(max(short, GROW_MIN, s.size // 4))
+            step = max(short, GROW_MIN, s.size // 4)
+            try:  # never take more than half of what the filesystem has left (its journal, others)
+                st = os.statvfs(os.path.dirname(s.path))
+                step = min(step, st.f_bavail * st.f_frsize // 2)
+            except OSError:
+                pass
+            step = round_up(max(step, short))
             if self.capacity_limit is None:
                 try:
                     await loop.run_in_executor(None, _fallocate, s.file.fileno(), s.size, step, s.path)

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
-from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from .. import defaults
+from .. import defaults, memory
 from ..exceptions import DeviceError
 from ._alloc import round_up
 from ._errors import (
@@ -167,14 +169,16 @@ class TieredStore:
         self.paths = [os.path.abspath(os.fspath(p)) for p in paths]
         self.persist = bool(persist)
         self.timeout = timeout
-        self.copy_threshold = 4 << 20  # bigger copies run on a thread (the loop never stalls long)
+        self.copy_threshold = 8 << 20  # bigger copies run on a thread (the loop never stalls long)
         factory = make_policy(policy)
         self.admission = make_admission(admit)
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._index: dict[Hashable, Entry] = {}
-        self._klocks: dict[Hashable, list[Any]] = {}
+        self._klocks: dict[Hashable, collections.deque[asyncio.Future[None]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._compact_lock: asyncio.Lock | None = None
+        self._cleaning: asyncio.Task[None] | None = None
         self.errors: list[BaseException] = []  # failures of prefetches nobody awaited
         host_b = defaults.parse_size(host)
         gpu_b = _sizes(gpu)
@@ -212,6 +216,7 @@ class TieredStore:
         self._nvme = NvmeTier(
             self.paths, _sizes(nvme), persist=self.persist, stripe=defaults.parse_size(stripe)
         )
+        self._nvme.compactor = self._compact
         if self.persist:
             try:
                 for k, (m, x) in entries.items():
@@ -260,20 +265,12 @@ class TieredStore:
             raise StoreKeyError(key)
         return e
 
-    @contextlib.asynccontextmanager
-    async def _writer(self, key: Hashable) -> AsyncIterator[None]:
-        """Puts and deletes of one key run one at a time, in call order (asyncio.Lock is FIFO)."""
-        slot = self._klocks.get(key)
-        if slot is None:
-            slot = self._klocks[key] = [asyncio.Lock(), 0]
-        slot[1] += 1
-        try:
-            async with slot[0]:
-                yield
-        finally:
-            slot[1] -= 1
-            if slot[1] == 0:
-                del self._klocks[key]
+    def _writer(self, *keys: Hashable) -> _Writers:
+        """Puts, deletes (and compaction moves) of a key run one at a time, in
+        call order, even when one call writes several keys (put_many): the
+        call takes a ticket on every key's queue at once, when it starts, so
+        a later call never overtakes it and no two calls wait on each other."""
+        return _Writers(self._klocks, keys)
 
     async def _copy(self, dst: Any, src: Any) -> None:
         """dst[:] = src; large copies on a thread, awaited to the end even if cancelled."""
@@ -371,6 +368,13 @@ class TieredStore:
                 got = tier.try_alloc(nbytes)  # type: ignore[attr-defined]
                 if got is not None:
                     return got
+                cleaner = self._cleaning
+                if tier is self._host and cleaner is not None and not cleaner.done():
+                    # the coldest values are being written already: wait for
+                    # them (then they drop at once) rather than evict hotter ones
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(cleaner)
+                    continue
                 short = nbytes - (tier.capacity - tier.used)
                 victims: list[Entry] = []
                 freed = 0
@@ -420,7 +424,7 @@ class TieredStore:
             for e in dirty:
                 e.moving = False
         for x, e in zip(exts, dirty):
-            if e.dead:
+            if e.dead or e.disk is not None:
                 self._nvme.free(x)
             else:
                 e.disk = x
@@ -432,6 +436,7 @@ class TieredStore:
                     e.host = None
             elif e.refs == 0:
                 self._drop_host(e)
+        self._host.notify()  # waiters on `moving` (a write-through of these entries)
 
     async def _demote_gpu(self, victims: list[Entry], deadline: float | None) -> None:
         for e in victims:
@@ -449,7 +454,7 @@ class TieredStore:
                     except BaseException:
                         self._nvme.free(x)
                         raise
-                    if e.dead:
+                    if e.dead or e.disk is not None:
                         self._nvme.free(x)
                     else:
                         e.disk = x
@@ -576,9 +581,7 @@ class TieredStore:
                     raise StoreKeyTypeError(f"a persistent store takes str keys, got {type(k).__name__}")
         metas = {k: describe(v) for k, v in items.items()}
         deadline = self._deadline(timeout)
-        async with contextlib.AsyncExitStack() as stack:
-            for k in items:
-                await stack.enter_async_context(self._writer(k))
+        async with self._writer(*items):
             new: list[Entry] = []
             try:
                 bypass: list[tuple[Entry, Any]] = []
@@ -616,7 +619,7 @@ class TieredStore:
                 if bypass:
                     await self._nvme.write([(e.disk, src) for e, src in bypass])  # type: ignore[misc]
                 if self.persist:
-                    await self._write_through([e for e in new if e.nbytes and e.disk is None])
+                    await self._write_through(new)
                     if bypass or any(e.nbytes for e in new):
                         await self._nvme.fsync()
                     await self._journal_put(new)
@@ -629,20 +632,122 @@ class TieredStore:
                 self._index[e.key] = e
                 if old is not None:
                     self._retire(old)
+        self._kick_cleaner()
+
+    # -- write-back cleaning ------------------------------------------------------------
+
+    def _kick_cleaner(self) -> None:
+        """persist=False: when the host tier is three quarters full, write its
+        coldest values that have no NVMe copy yet (a quarter of the tier, one
+        batched write) in the background. They stay in memory, now clean, so
+        the put that needs room later drops them at once instead of waiting
+        for a write: evictions overlap with the puts that cause them."""
+        h = self._host
+        busy = self._cleaning is not None and not self._cleaning.done()
+        if self.persist or busy or self._closed or h.used * 4 < h.capacity * 3:
+            return
+        task = asyncio.get_running_loop().create_task(self._clean())
+        self._cleaning = task
+        self._tasks.add(task)
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._tasks.discard(t)
+            if self._cleaning is t:
+                self._cleaning = None
+            if not t.cancelled() and t.exception() is not None:
+                self.errors.append(t.exception())  # type: ignore[arg-type]
+                del self.errors[:-16]
+
+        task.add_done_callback(done)
+
+    async def _clean(self) -> None:
+        h = self._host
+        budget = max(h.capacity // 4, 1)
+        dirty: list[Entry] = []
+        total = 0
+        for cand in h.policy.victims():
+            e: Entry = cand  # type: ignore[assignment]
+            if (
+                e in h.entries
+                and e.disk is None
+                and e.gpu is None
+                and e.host is not None
+                and e.refs == 0
+                and not e.moving
+                and e.loading is None
+            ):
+                dirty.append(e)
+                total += round_up(e.nbytes)
+                if total >= budget:
+                    break
+        if not dirty:
+            return
+        for e in dirty:
+            e.moving = True
+            e.refs += 1
+        exts: list[Extents] = []
+        try:
+            for e in dirty:
+                exts.append(await self._nvme.allocate(e.nbytes))
+            await self._nvme.write(
+                [(x, h.view(e.host, e.nbytes, True)) for x, e in zip(exts, dirty)]  # type: ignore[arg-type]
+            )
+        except BaseException:
+            for x in exts:
+                self._nvme.free(x)
+            raise
+        finally:
+            for e in dirty:
+                e.moving = False
+                self._unref_host(e)
+            h.notify()
+        for x, e in zip(exts, dirty):
+            if e.dead or e.disk is not None:
+                self._nvme.free(x)
+            else:
+                e.disk = x
 
     async def _write_through(self, entries: list[Entry]) -> None:
-        """persist=True: the NVMe copy of new entries (they stay in memory, clean)."""
-        if not entries:
-            return
-        for e in entries:
-            e.disk = await self._nvme.allocate(e.nbytes)
-        jobs = []
-        for e in entries:
+        """persist=True: the NVMe copy of new entries (they stay in memory, clean).
+
+        New entries are already evictable, so a demotion may be writing one
+        meanwhile: those are left to it and waited for. The copies written
+        here are pinned until the write ends, and ``disk`` is set only then.
+        """
+        todo = [e for e in entries if e.nbytes and e.disk is None and not e.moving and not e.dead]
+        for e in todo:
             if e.host is not None:
-                jobs.append((e.disk, self._host.view(e.host, e.nbytes, True)))
+                e.refs += 1
             else:
-                jobs.append((e.disk, e.gpu[: round_up(e.nbytes)]))
-        await self._nvme.write(jobs)  # type: ignore[arg-type]
+                e.gpu_refs += 1
+        exts: list[Extents] = []
+        try:
+            for e in todo:
+                exts.append(await self._nvme.allocate(e.nbytes))
+            jobs = []
+            for e, x in zip(todo, exts):
+                if e.host is not None:
+                    jobs.append((x, self._host.view(e.host, e.nbytes, True)))
+                else:
+                    jobs.append((x, e.gpu[: round_up(e.nbytes)]))
+            await self._nvme.write(jobs)
+        except BaseException:
+            for x in exts:
+                self._nvme.free(x)
+            raise
+        finally:
+            for e in todo:
+                if e.host is not None and e.refs > 0:
+                    self._unref_host(e)
+                else:
+                    self._unref_gpu(e)
+        for e, x in zip(todo, exts):
+            if e.disk is None and not e.dead:
+                e.disk = x
+            else:
+                self._nvme.free(x)
+        while any(e.moving for e in entries):
+            await self._host.wait_change(None, "a demotion of a value being put")
 
     async def _journal_put(self, entries: list[Entry]) -> None:
         if self._journal is None:
@@ -650,12 +755,6 @@ class TieredStore:
         await self._journal.append(
             [{"op": "put", "k": e.key, "m": e.meta.to_json(), "x": e.disk or []} for e in entries]
         )
-        self._maybe_snapshot()
-
-    def _maybe_snapshot(self) -> None:
-        j = self._journal
-        if j is not None and (j.records > 100_000 or j.nbytes > (64 << 20)):
-            j.write_snapshot(self._slab_paths(), self._index_json())
 
     # -- get ------------------------------------------------------------------------------
 
@@ -909,7 +1008,6 @@ class TieredStore:
             e = self._lookup(key)
             if self._journal is not None:
                 await self._journal.append([{"op": "del", "k": key}])
-                self._maybe_snapshot()
             if self._index.get(key) is e:
                 del self._index[key]
                 self._retire(e)
@@ -938,6 +1036,89 @@ class TieredStore:
         if e.disk is not None:
             tiers.append("nvme")
         return tiers
+
+    # -- compaction -------------------------------------------------------------------
+
+    async def compact(self) -> int:
+        """Move values down in the slab files so free space is one piece at the
+        end of each. Returns the bytes moved.
+
+        Runs by itself when an allocation finds enough free bytes but no free
+        extent large enough. Values being written, read or replaced are
+        skipped (tried again next time); with ``persist=True`` each move is
+        durable (data fdatasynced, then its journal record) before the old
+        extent is reused.
+        """
+        self._enter()
+        return await self._compact()
+
+    async def _compact(self) -> int:
+        if self._compact_lock is None:
+            self._compact_lock = asyncio.Lock()
+        moved = 0
+        async with self._compact_lock:
+            for si, slab in enumerate(self._nvme.slabs):
+                pieces = sorted(
+                    (x[1], e) for e in list(self._index.values()) if e.disk for x in e.disk if x[0] == si
+                )
+                for off, e in pieces:
+                    if slab.alloc.free_bytes == slab.alloc.tail_free():
+                        break  # no hole left below the end
+                    if e.dead or e.moving or e.disk is None or e.key in self._klocks or e.disk_refs:
+                        continue  # busy: a put, delete, eviction or read of it is in flight
+                    moved += await self._move_piece(e, si, off)
+            if moved:
+                self._nvme.stats["compactions"] += 1
+        return moved
+
+    async def _move_piece(self, e: Entry, si: int, off: int) -> int:
+        """Move e's piece at (slab si, off) to the lowest hole below it."""
+        old_disk = e.disk
+        if old_disk is None:
+            return 0
+        piece = next((x for x in old_disk if x[0] == si and x[1] == off), None)
+        if piece is None:
+            return 0
+        slab = self._nvme.slabs[si]
+        n = piece[3]
+        new = slab.alloc.alloc_below(n, off)
+        if new is None:
+            return 0
+        async with self._writer(e.key):  # no put or delete of the key meanwhile (journal order)
+            if e.dead or e.disk is not old_disk or self._index.get(e.key) is not e:
+                slab.alloc.free(new, n)
+                return 0
+            bounce = memory.empty(round_up(n), "uint8")
+            e.disk_refs += 1
+            try:
+                await slab.file.pread(bounce, off)
+                await slab.file.pwrite(bounce, new)
+                if self.persist:
+                    await slab.file.fdatasync()
+            except BaseException:
+                slab.alloc.free(new, n)
+                raise
+            finally:
+                e.disk_refs -= 1
+            if e.dead or e.disk_refs or e.disk is not old_disk:
+                # a read of the old place began meanwhile, or the value went: keep the old place
+                slab.alloc.free(new, n)
+                if e.dead and e.disk_refs == 0 and e.disk is not None:
+                    self._nvme.free(e.disk)
+                    e.disk = None
+                return 0
+            ext = [(si, new, x[2], x[3]) if x is piece else x for x in old_disk]
+            if self._journal is not None:
+                try:
+                    await self._journal.append([{"op": "put", "k": e.key, "m": e.meta.to_json(), "x": ext}])
+                except BaseException:
+                    slab.alloc.free(new, n)
+                    raise
+            e.disk = ext
+            slab.alloc.free(off, n)
+            self._nvme.stats["bytes_in"] += n
+            self._nvme.stats["bytes_out"] += n
+        return n
 
     # -- stats / close --------------------------------------------------------------------
 
@@ -1012,6 +1193,16 @@ class TieredStore:
     def closed(self) -> bool:
         return self._closed
 
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True) or not hasattr(self, "_nvme"):
+            return
+        warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=2, source=self)
+        self._closed = True
+        with contextlib.suppress(Exception):
+            if self._journal is not None:
+                self._journal.close()
+            self._nvme.close(remove=not self.persist)  # a scratch store leaves no slab behind
+
     async def __aenter__(self) -> TieredStore:
         return self
 
@@ -1027,6 +1218,49 @@ class TieredStore:
 
     def __iter__(self) -> Iterator[Hashable]:
         return iter(list(self._index))
+
+
+class _Writers:
+    """Tickets on the per-key queues of writers; see TieredStore._writer."""
+
+    def __init__(self, queues: dict[Hashable, collections.deque[asyncio.Future[None]]], keys: Any) -> None:
+        self.queues = queues
+        self.keys = list(dict.fromkeys(keys))
+        self.tickets: list[tuple[Hashable, asyncio.Future[None]]] = []
+
+    async def __aenter__(self) -> None:
+        loop = asyncio.get_running_loop()
+        for k in self.keys:  # all tickets at once: no await in this loop
+            q = self.queues.get(k)
+            if q is None:
+                q = self.queues[k] = collections.deque()
+            fut: asyncio.Future[None] = loop.create_future()
+            if not q:
+                fut.set_result(None)
+            q.append(fut)
+            self.tickets.append((k, fut))
+        try:
+            for _k, fut in self.tickets:
+                await fut
+        except BaseException:
+            self._release()
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        tickets, self.tickets = self.tickets, []
+        for k, fut in tickets:
+            q = self.queues[k]
+            head = q[0] is fut
+            q.remove(fut)
+            if not fut.done():
+                fut.cancel()
+            if head and q and not q[0].done():
+                q[0].set_result(None)
+            if not q:
+                del self.queues[k]
 
 
 class _Hold:

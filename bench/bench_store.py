@@ -1,0 +1,378 @@
+#!/usr/bin/env python3
+"""TieredStore benchmarks, next to fio, memcpy and DeepSpeed's AsyncTensorSwapper.
+
+Workloads (each figure in GB/s, 1 GB = 1e9 bytes):
+
+  nvme-get    get of S-byte tensors that are only in the NVMe tier (host=0),
+              one at a time, page cache dropped first; vs fio sequential read
+              with bs=S, O_DIRECT, libaio, iodepth 1 (the same request stream)
+  put-evict   put into a host tier of two values, so every put evicts one to
+              NVMe (steady state); vs fio sequential write bs=S, iodepth 1
+  host-hit    get of values resident in the host tier: a fresh result per call
+              and into a preallocated ``out=``; vs memcpy (np.copyto) into a
+              fresh and a preallocated array; per-call overhead in µs for 4 KiB
+  sweep       a working set of 0.5x..4x the host tier, read in layer order
+              (a cyclic scan, as layer-streamed inference does), with and
+              without ``prefetch`` of the next key: hit ratio and GB/s, plotted
+  deepspeed   swap-out then swap-in of N tensors: DeepSpeed's AsyncTensorSwapper
+              (with the swap_in_tensors helper) on aionvme's drop-in op, vs
+              TieredStore put_many + evict / get_many; DeepSpeed's own op when
+              it is built (it needs libaio-dev and a JIT build)
+
+    python3 bench/bench_store.py --quick                    # small sizes: proves it runs
+    python3 bench/bench_store.py --dir /nvme --sizes 1M,4M,16M,64M --total 2G --plot sweep.png --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+import aionvme as nvme
+from aionvme.cli._common import drop_caches, local_scratch_dir
+from aionvme.defaults import parse_size
+
+GB = 1e9
+
+
+def fio(path: str, rw: str, bs: int, size: int) -> float | None:
+    """fio's bandwidth in GB/s (O_DIRECT, libaio, iodepth 1), or None without fio."""
+    if shutil.which("fio") is None:
+        return None
+    cmd = [
+        "fio", "--name=job", f"--filename={path}", f"--rw={rw}", f"--bs={bs}", "--iodepth=1",
+        "--ioengine=libaio", "--direct=1", f"--size={size}", "--output-format=json", "--thread",
+    ]  # fmt: skip
+    if rw == "write":
+        cmd.append("--end_fsync=1")
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    job = json.loads(out[out.index("{") :])["jobs"][0]
+    side = job["read"] if rw == "read" else job["write"]
+    return float(side["bw_bytes"]) / GB
+
+
+def _values(n: int, size: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 256, size, dtype=np.uint8)
+    return [np.roll(base, i) for i in range(n)]
+
+
+async def nvme_get(d: str, size: int, total: int, drop: bool) -> dict[str, Any]:
+    n = max(2, total // size)
+    vals = _values(n, size)
+    async with nvme.TieredStore(d, host=0) as s:
+        await s.put_many({i: v for i, v in enumerate(vals)})
+        slab = s.stats()["nvme"]["slabs"][0]
+        if drop:
+            drop_caches()
+        t0 = time.perf_counter()
+        for i in range(n):
+            got = await s.get(i)
+        dt = time.perf_counter() - t0
+        if not np.array_equal(got, vals[-1]):
+            raise SystemExit("nvme-get: wrong bytes")
+        store = n * size / dt / GB
+        ref = fio(slab, "read", size, n * size)
+    return {"size": size, "n": n, "store_GBps": store, "fio_GBps": ref, "ratio": store / ref if ref else None}
+
+
+async def put_evict(d: str, size: int, total: int) -> dict[str, Any]:
+    n = max(4, total // size)
+    vals = _values(min(n, 8), size)
+    async with nvme.TieredStore(d, host=2 * size + 4096) as s:
+        for i in range(4):  # warm-up: the tier fills, the slab grows
+            await s.put(("w", i), vals[i % len(vals)])
+        t0 = time.perf_counter()
+        for i in range(n):
+            await s.put(i, vals[i % len(vals)])
+        dt = time.perf_counter() - t0
+        ev = s.stats()["host"]["evictions"]
+        store = n * size / dt / GB
+        path = os.path.join(d, "fio-write.bin")
+        ref = fio(path, "write", size, n * size)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    return {
+        "size": size,
+        "n": n,
+        "evictions": ev,
+        "store_GBps": store,
+        "fio_GBps": ref,
+        "ratio": store / ref if ref else None,
+    }
+
+
+async def host_hit(d: str, size: int, reps: int) -> dict[str, Any]:
+    v = _values(1, size)[0]
+    async with nvme.TieredStore(d, host=4 * size + (1 << 20)) as s:
+        await s.put("v", v)
+        await s.put("small", np.zeros(4096, np.uint8))
+        out = np.empty_like(v)
+        await s.get("v")
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            await s.get("v")
+        fresh = reps * size / (time.perf_counter() - t0) / GB
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            await s.get("v", out=out)
+        into = reps * size / (time.perf_counter() - t0) / GB
+        small_out = np.empty(4096, np.uint8)
+        k = 2000
+        t0 = time.perf_counter()
+        for _ in range(k):
+            await s.get("small", out=small_out)
+        us_out = (time.perf_counter() - t0) / k * 1e6
+        t0 = time.perf_counter()
+        for _ in range(k):
+            await s.get("small")
+        us_fresh = (time.perf_counter() - t0) / k * 1e6
+        if not np.array_equal(out, v):
+            raise SystemExit("host-hit: wrong bytes")
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dst = np.empty_like(v)
+        np.copyto(dst, v)
+    memcpy_fresh = reps * size / (time.perf_counter() - t0) / GB
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        np.copyto(out, v)
+    memcpy = reps * size / (time.perf_counter() - t0) / GB
+    return {
+        "size": size,
+        "get_GBps": fresh,
+        "get_out_GBps": into,
+        "memcpy_fresh_GBps": memcpy_fresh,
+        "memcpy_GBps": memcpy,
+        "ratio_fresh": fresh / memcpy_fresh,
+        "ratio_out": into / memcpy,
+        "us_per_call_4K_out": us_out,
+        "us_per_call_4K_fresh": us_fresh,
+    }
+
+
+async def sweep(d: str, host: int, size: int, passes: int) -> list[dict[str, Any]]:
+    rows = []
+    for f in (0.5, 1.0, 1.5, 2.0, 3.0, 4.0):
+        nkeys = max(2, int(f * host / size))
+        vals = _values(nkeys, size)
+        for pf in (False, True):
+            async with nvme.TieredStore(d, host=host) as s:
+                for i, v in enumerate(vals):
+                    await s.put(i, v)
+                base = s.stats()["host"]
+                t0 = time.perf_counter()
+                for _ in range(passes):
+                    for i in range(nkeys):
+                        if pf:
+                            await s.prefetch([(i + 1) % nkeys])
+                        await s.get(i)
+                dt = time.perf_counter() - t0
+                st = s.stats()["host"]
+                hits = st["hits"] - base["hits"]
+                gets = hits + st["misses"] - base["misses"]
+            rows.append(
+                {
+                    "working_set_x": f,
+                    "prefetch": pf,
+                    "keys": nkeys,
+                    "hit_ratio": hits / gets if gets else 0.0,
+                    "GBps": passes * nkeys * size / dt / GB,
+                }
+            )
+    return rows
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    for pf in (False, True):
+        pts = [r for r in rows if r["prefetch"] is pf]
+        label = "prefetch next" if pf else "no prefetch"
+        a1.plot([r["working_set_x"] for r in pts], [r["hit_ratio"] for r in pts], "o-", label=label)
+        a2.plot([r["working_set_x"] for r in pts], [r["GBps"] for r in pts], "o-", label=label)
+    a1.set(
+        xlabel="working set / host tier",
+        ylabel="host hit ratio",
+        title="hit ratio (LRU, cyclic scan; a get\nwaiting for its prefetch counts as a hit)",
+    )
+    a2.set(xlabel="working set / host tier", ylabel="GB/s", title="get throughput")
+    for a in (a1, a2):
+        a.legend()
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def deepspeed_swap(d: str, size: int, n: int) -> dict[str, Any]:
+    """AsyncTensorSwapper (swap out) + swap_in_tensors (swap in) on aionvme's drop-in,
+    in a child process (DeepSpeed needs a process group), then the same on the store."""
+    code = r"""
+import json, os, socket, sys, time, torch
+import aionvme.compat.deepspeed as compat
+compat.install()
+import deepspeed, deepspeed.ops
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+from deepspeed.ops.op_builder import AsyncIOBuilder
+from deepspeed.runtime.swap_tensor.async_swapper import AsyncTensorSwapper
+from deepspeed.runtime.swap_tensor.utils import swap_in_tensors
+d, size, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+numel = size // 4
+h = AsyncIOBuilder().load().aio_handle(1 << 20, 32, False, True, 1)
+bufs = [h.new_cpu_locked_tensor(numel * 2, torch.empty(0, dtype=torch.float32)) for _ in range(2)]
+sw = AsyncTensorSwapper(h, numel_alignment=1024, timers=None)
+sw.add_buffers(bufs)
+ts = [torch.full((numel,), float(i)) for i in range(n)]
+paths = [os.path.join(d, f"ds{i}.swp") for i in range(n)]
+t0 = time.perf_counter()
+sw.swap_out_tensors(ts, paths); sw.release_buffers()
+out_s = time.perf_counter() - t0
+dst = [torch.empty(numel) for _ in range(n)]
+t0 = time.perf_counter()
+swap_in_tensors(h, dst, paths); assert h.wait() == n
+in_s = time.perf_counter() - t0
+assert all(torch.equal(a, b) for a, b in zip(dst, ts))
+print(json.dumps({"out_GBps": n * size / out_s / 1e9, "in_GBps": n * size / in_s / 1e9}))
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    r = subprocess.run(
+        [sys.executable, "-c", code, d, str(size), str(n)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    if r.returncode != 0:
+        return {"error": (r.stderr.strip().splitlines() or ["?"])[-1]}
+    ds = json.loads(r.stdout.strip().splitlines()[-1])
+
+    async def store() -> dict[str, float]:
+        import torch
+
+        ts = {i: torch.full((size // 4,), float(i)) for i in range(n)}
+        async with nvme.TieredStore(d, host=2 * size + 4096) as s:
+            t0 = time.perf_counter()
+            await s.put_many(ts)
+            for i in range(n):
+                await s.evict(i)
+            out_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            got = await s.get_many(range(n))
+            in_s = time.perf_counter() - t0
+            if not all(torch.equal(got[i], ts[i]) for i in range(n)):
+                raise SystemExit("deepspeed workload: wrong bytes")
+        return {"out_GBps": n * size / out_s / GB, "in_GBps": n * size / in_s / GB}
+
+    ours = asyncio.run(store())
+    own_op = "not built (needs libaio-dev and DeepSpeed's JIT build of async_io)"
+    return {
+        "size": size,
+        "n": n,
+        "deepspeed_dropin": ds,
+        "tieredstore": ours,
+        "deepspeed_own_op": own_op,
+        "ratio_out": ours["out_GBps"] / ds["out_GBps"],
+        "ratio_in": ours["in_GBps"] / ds["in_GBps"],
+    }
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _row(r: dict[str, Any]) -> None:
+    mib = r["size"] >> 20
+    print(f"  {mib:>5} MiB  {_fmt(r['store_GBps']):>9}  {_fmt(r['fio_GBps']):>8}  {_fmt(r['ratio'])}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", help="directory on the drive to measure (default: a temp dir on a local disk)")
+    p.add_argument(
+        "--sizes", default="1M,4M,16M,64M", help="tensor sizes for nvme-get / put-evict / host-hit"
+    )
+    p.add_argument("--total", default="1G", help="bytes moved per point")
+    p.add_argument("--host", default="256M", help="host tier of the sweep")
+    p.add_argument("--sweep-size", default="4M", help="tensor size in the sweep")
+    p.add_argument("--passes", type=int, default=3, help="passes over the working set in the sweep")
+    p.add_argument("--quick", action="store_true", help="small sizes: proves it runs, in seconds")
+    p.add_argument("--no-deepspeed", action="store_true")
+    p.add_argument("--plot", help="PNG of the sweep (needs matplotlib)")
+    p.add_argument("--json", help="write all results here")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.sizes, a.total, a.host, a.sweep_size, a.passes = "1M,4M", "32M", "8M", "1M", 2
+    sizes = [parse_size(x) for x in a.sizes.split(",")]
+    total = parse_size(a.total)
+    base = tempfile.mkdtemp(prefix="aionvme-bench-store-", dir=local_scratch_dir(a.dir))
+    drop = os.geteuid() == 0
+    res: dict[str, Any] = {}
+    try:
+        res["nvme_get"] = [asyncio.run(nvme_get(base, s, total, drop)) for s in sizes]
+        print("nvme-get   (tier NVMe only, cold):  size  store GB/s  fio GB/s  ratio")
+        for r in res["nvme_get"]:
+            _row(r)
+        res["put_evict"] = [asyncio.run(put_evict(base, s, total)) for s in sizes]
+        print("put-evict  (every put evicts one):   size  store GB/s  fio GB/s  ratio")
+        for r in res["put_evict"]:
+            _row(r)
+        reps = max(4, total // max(sizes) // 2)
+        res["host_hit"] = [asyncio.run(host_hit(base, s, reps)) for s in sizes]
+        print("host-hit:  size  get GB/s (fresh / out=)  memcpy GB/s (fresh / into)  ratios  µs/call 4K")
+        for r in res["host_hit"]:
+            print(
+                f"  {r['size'] >> 20:>5} MiB  {r['get_GBps']:.2f} / {r['get_out_GBps']:.2f}"
+                f"  {r['memcpy_fresh_GBps']:.2f} / {r['memcpy_GBps']:.2f}"
+                f"  {r['ratio_fresh']:.2f} / {r['ratio_out']:.2f}"
+                f"  {r['us_per_call_4K_out']:.1f} (out=) / {r['us_per_call_4K_fresh']:.1f}"
+            )
+        res["sweep"] = asyncio.run(sweep(base, parse_size(a.host), parse_size(a.sweep_size), a.passes))
+        print("sweep (cyclic scan, LRU):  working set x  prefetch  hit ratio  GB/s")
+        for r in res["sweep"]:
+            print(f"  {r['working_set_x']:>4}  {r['prefetch']!s:>5}  {r['hit_ratio']:.2f}  {r['GBps']:.2f}")
+        if a.plot:
+            plot(res["sweep"], a.plot)
+            print(f"plot: {a.plot}")
+        if not a.no_deepspeed:
+            n = 8 if a.quick else 32
+            res["deepspeed"] = deepspeed_swap(base, max(sizes), n)
+            r = res["deepspeed"]
+            if "error" in r:
+                print(f"deepspeed: {r['error']}")
+            else:
+                ds, ts = r["deepspeed_dropin"], r["tieredstore"]
+                print(f"deepspeed swap ({n} x {r['size'] >> 20} MiB), out / in GB/s:")
+                print(f"  AsyncTensorSwapper on the drop-in  {ds['out_GBps']:.2f} / {ds['in_GBps']:.2f}")
+                print(
+                    f"  TieredStore  {ts['out_GBps']:.2f} / {ts['in_GBps']:.2f}"
+                    f"  (x{r['ratio_out']:.2f} / x{r['ratio_in']:.2f})"
+                )
+                print(f"  DeepSpeed's own op: {r['deepspeed_own_op']}")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
