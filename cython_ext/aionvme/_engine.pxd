@@ -1,5 +1,5 @@
 # Layouts of the engine's C state and extension types. Declarations only; the
-# code lives in _engine.pyx and the .pxi parts it includes.
+# code lives in _engine.pyx and the .pxi parts it includes (named for what they hold).
 from cpython.object cimport PyObject
 from libc.stdint cimport int32_t, int64_t
 

@@ -27,11 +27,18 @@ from operator import index as _index
 
 from aionvme import exceptions as _exc
 
-include "_errors.pxi"
-include "_buffers.pxi"
-include "_threads.pxi"
-include "_plan.pxi"
-include "_requests.pxi"
-include "_aio.pxi"
-include "_gds.pxi"
-include "_info.pxi"
+# The parts, in dependency order: errors (errno -> OSError subclass), buffers
+# (caller buffers, AlignedBuffer), workers (the C worker pool and its jobs),
+# kernel_aio (io_submit, inline or on the submitter thread), planning (cutting
+# a segment into aligned transfers), requests (Inode, FileHandle, Request),
+# engine (Engine: chunk slots, generate/submit/reap), gds (cuFile by dlopen),
+# probes (statx/statfs/io_setup for the Python layer).
+include "errors.pxi"
+include "buffers.pxi"
+include "workers.pxi"
+include "kernel_aio.pxi"
+include "planning.pxi"
+include "requests.pxi"
+include "engine.pxi"
+include "gds.pxi"
+include "probes.pxi"

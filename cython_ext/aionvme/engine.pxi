@@ -1,7 +1,8 @@
 # The engine: one kernel AIO context, one eventfd, a slab of queue_depth chunk
 # slots and the worker pool. All per-chunk work happens here in C.
 #
-# Kernel facts this relies on (measured on kernel 6.18, see DESIGN.md §4):
+# Kernel facts this relies on (fs/aio.c, io_submit(2), io_cancel(2); measured
+# on kernel 6.18):
 # - io_submit may accept a prefix of the batch, then answer EAGAIN: the rest is
 #   kept and resubmitted when completions free room; it is never dropped.
 # - A misaligned O_DIRECT transfer does not fail io_submit; the event's res is
