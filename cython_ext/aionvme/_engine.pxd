@@ -64,6 +64,8 @@ cdef struct Seg:
 cdef struct InodeC:
     pthread_mutex_t lock
     int64_t known_size     # a lower bound of the file size, kept to skip fstat
+    InodeC *all_next       # every live InodeC, so a forked child can re-initialise its lock
+    InodeC *all_prev
 
 
 cdef struct ReqC:

@@ -32,7 +32,8 @@ from aionvme import exceptions as _exc
 # kernel_aio (io_submit, inline or on the submitter thread), planning (cutting
 # a segment into aligned transfers), requests (Inode, FileHandle, Request),
 # engine (Engine: chunk slots, generate/submit/reap), gds (cuFile by dlopen),
-# probes (statx/statfs/io_setup for the Python layer).
+# probes (statx/statfs/io_setup for the Python layer), fork (locks a forked
+# child re-initialises).
 include "errors.pxi"
 include "buffers.pxi"
 include "workers.pxi"
@@ -42,3 +43,4 @@ include "requests.pxi"
 include "engine.pxi"
 include "gds.pxi"
 include "probes.pxi"
+include "fork.pxi"

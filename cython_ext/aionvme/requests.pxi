@@ -17,14 +17,42 @@ def open_handles():
     return _open_handles
 
 
+# Every live InodeC, linked through all_next/all_prev under _inodes_mu: a
+# forked child re-initialises their locks (fork.pxi), since a lock held by a
+# parent's thread at fork() stays held in the child, where no thread will
+# ever release it.
+cdef pthread_mutex_t _inodes_mu
+pthread_mutex_init(&_inodes_mu, NULL)
+cdef InodeC *_inodes_head = NULL
+
+
 cdef class Inode:
     """Per (st_dev, st_ino) state shared by all FileHandles of one file."""
 
     def __cinit__(self, long long known_size=0):
+        global _inodes_head
         pthread_mutex_init(&self.c.lock, NULL)
         self.c.known_size = known_size
+        with nogil:
+            pthread_mutex_lock(&_inodes_mu)
+            self.c.all_prev = NULL
+            self.c.all_next = _inodes_head
+            if _inodes_head != NULL:
+                _inodes_head.all_prev = &self.c
+            _inodes_head = &self.c
+            pthread_mutex_unlock(&_inodes_mu)
 
     def __dealloc__(self):
+        global _inodes_head
+        with nogil:
+            pthread_mutex_lock(&_inodes_mu)
+            if self.c.all_prev != NULL:
+                self.c.all_prev.all_next = self.c.all_next
+            else:
+                _inodes_head = self.c.all_next
+            if self.c.all_next != NULL:
+                self.c.all_next.all_prev = self.c.all_prev
+            pthread_mutex_unlock(&_inodes_mu)
         pthread_mutex_destroy(&self.c.lock)
 
     @property
