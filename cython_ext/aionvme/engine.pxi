@@ -18,6 +18,11 @@ cdef enum:
     GEN_DONE = 1
     GEN_BLOCKED = 2
 
+# Engine.run wakes at least this often to run Python's signal handlers
+# (Ctrl-C in a blocking call raises within about this long, plus the time the
+# chunks in flight take to land).
+cdef int RUN_SIGNAL_CHECK_MS = 100
+
 # Bounce copies up to this size run inline on the loop thread (a few µs);
 # larger ones go to a worker (see PH_*).
 cdef int64_t COPY_INLINE_MAX = 64 * 1024
@@ -614,16 +619,23 @@ cdef class Engine:
     def run(self, Request req):
         """Drive the engine until req finishes (for callers without a loop).
 
-        An exception while waiting (KeyboardInterrupt, say) cancels req and
-        still waits for its chunks in flight before propagating: the caller's
-        buffer is never left to the kernel."""
+        The wait releases the GIL and wakes at least every
+        ``RUN_SIGNAL_CHECK_MS`` to run Python's signal handlers: a handler that
+        raises (KeyboardInterrupt on Ctrl-C) cancels req, and the chunks
+        already in flight are still waited for before the exception
+        propagates: the caller's buffer is never left to the kernel."""
         try:
             while not (req.c.flags & RF_FINISHED):
                 self.pump()
                 if req.c.flags & RF_FINISHED:
                     break
                 if not self.more:
-                    self.wait()
+                    with nogil:
+                        self._wait_efd(RUN_SIGNAL_CHECK_MS)
+                    # A signal interrupts poll (EINTR) only in the thread it
+                    # is delivered to, which may be a worker: the timeout
+                    # bounds the delay in that case.
+                    PyErr_CheckSignals()
         except BaseException:
             self.cancel(req)
             with nogil:
