@@ -12,7 +12,7 @@ from cpython.buffer cimport (PyBUF_ANY_CONTIGUOUS, PyBUF_FORMAT, PyBUF_FULL_RO, 
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_DECREF, Py_INCREF
-from libc.errno cimport EAGAIN, EBADF, EINTR, EINVAL, EIO, ENOMEM, EOPNOTSUPP, errno
+from libc.errno cimport EAGAIN, EBADF, EINTR, EINVAL, EIO, ENOMEM, EOPNOTSUPP, ESPIPE, errno
 from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memcpy, memmove, memset

@@ -275,12 +275,18 @@ cdef class Engine:
         s = &r.segs[r.cur]
         _plan_chunk(s.offset, s.nbytes, <uintptr_t>s.addr, r.pos, r.align, r.mem_align,
                     r.block, r.op == OP_WRITE, &p)
+        if r.op == OP_READ and p.len > _INT64_MAX - p.foff:
+            # The block reaches 2**63: the kernel refuses a transfer whose end
+            # overflows loff_t (EINVAL, rw_verify_area), and no file holds a
+            # byte there (MAX_LFS_FILESIZE is 2**63 - 1). Read the aligned part
+            # that fits; the rest is past the end of any file: a short read.
+            p.len = (_INT64_MAX - p.foff) - (_INT64_MAX - p.foff) % r.align
         ch.seg = r.cur
         ch.foff = p.foff
         ch.len = p.len
         ch.uskip = p.uskip
         ch.ulen = p.ulen
-        ch.kind = KIND_AIO if r.path == PATH_AIO and self.use_aio else KIND_THREAD
+        ch.kind = KIND_AIO if r.path == PATH_AIO and self.use_aio and p.len > 0 else KIND_THREAD
         if p.rmw:
             ch.op = CH_RMW
             ch.kind = KIND_THREAD

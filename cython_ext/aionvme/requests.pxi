@@ -224,19 +224,45 @@ cdef class Request:
     def exception(self):
         """The error this finished request raises, or None."""
         cdef Seg *s
+        cdef stat st
+        cdef int fd = self.file.fd if self.file is not None else -1
         path = self.file.path if self.file is not None else None
         if self.c.err:
             if self.c.flags & RF_GDS:
                 return _gds_error(self.c.err, path, self.c.err_off, self.nbytes,
                                   "cuFileWrite" if self.c.op == OP_WRITE else "cuFileRead")
-            return _os_error(self.c.err, path, self.c.err_off, self.nbytes, self.op)
+            exc = _os_error(self.c.err, path, self.c.err_off, self.nbytes, self.op)
+            if self.c.err in (EBADF, ESPIPE, EINVAL, EAGAIN) and fd >= 0:
+                _explain_lost_fd(exc, fd)
+            return exc
         if self.c.flags & RF_SHORT_WRITE:
             return _exc.ShortWriteError(path, self.c.err_off, self.nbytes)
         if self.c.short_seg >= 0:
             s = &self.c.segs[self.c.short_seg]
+            size = None
+            # The file's size now, when it agrees with what the read found
+            # (the file may have grown since): the message states it.
+            if fd >= 0 and fstat(fd, &st) == 0 and S_ISREG(st.st_mode) and st.st_size <= self.c.short_at:
+                size = st.st_size
             return _exc.ShortReadError(path, s.offset, s.nbytes, self.c.short_at - s.offset,
-                                       segment=self.c.short_seg if self.c.nsegs > 1 else None)
+                                       segment=self.c.short_seg if self.c.nsegs > 1 else None,
+                                       file_size=size)
         return None
+
+
+cdef int _explain_lost_fd(object exc, int fd) except -1:
+    """EBADF, ESPIPE ("Illegal seek"), EINVAL or EAGAIN from a transfer whose fd no
+    longer refers to a file (closed behind our back with os.close, its number
+    maybe reused by a pipe, socket or eventfd): say so, as EBADF."""
+    cdef stat st
+    cdef int rc = fstat(fd, &st)
+    if rc == 0 and (S_ISREG(st.st_mode) or S_ISBLK(st.st_mode)):
+        return 0   # still a file: the errno stands (a misaligned transfer, say)
+    what = "is closed" if rc != 0 else "now refers to something else (not a file)"
+    exc.errno = EBADF
+    exc.strerror = (f"{os.strerror(EBADF)}: the file descriptor was closed behind aionvme's back "
+                    f"(fd {fd} {what}; was: {exc.strerror})")
+    return 0
 
 
 cdef int64_t _file_offset(object offset) except -1:

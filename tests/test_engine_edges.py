@@ -1,0 +1,141 @@
+"""Edges of the engine's error reporting (issue 12 §5, §6): reads at the top of
+the 64-bit offset range, a ShortReadError that states the real file size, and
+an fd closed behind a File's back."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+
+import aionvme as nvme
+from aionvme.exceptions import ShortReadError
+
+TOP = 1 << 63
+
+
+@pytest.fixture
+def small(make_file):
+    path, data = make_file(4000)
+    return path, data
+
+
+# (offset, nbytes): every one reads a block that ends at or past 2**63 (the
+# kernel refuses such a transfer with EINVAL); the last byte asked for is
+# below 2**63, so the call itself is valid: the file just ends before.
+TOP_READS = [(TOP - 200, 100), (TOP - 4096, 4095), (TOP - 512 - 100, 200), (TOP - 4096 - 1, 2)]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize(("offset", "nbytes"), TOP_READS)
+def test_reads_ending_at_2_63_are_short_reads(small, direct, offset, nbytes):
+    path, _ = small
+    buf = np.zeros(nbytes, np.uint8)
+    with nvme.open(path, direct=direct) as f, pytest.raises(ShortReadError) as ei:
+        f.sync_pread(buf, offset)
+    assert ei.value.received == 0
+    assert ei.value.offset == offset
+    assert ei.value.file_size == 4000
+
+
+@pytest.mark.parametrize(("offset", "nbytes"), TOP_READS)
+async def test_async_reads_ending_at_2_63_are_short_reads(small, offset, nbytes):
+    path, _ = small
+    buf = np.zeros(nbytes, np.uint8)
+    with pytest.raises(ShortReadError) as ei:
+        await nvme.pread(buf, path, offset)
+    assert ei.value.received == 0
+
+
+def test_a_read_straddling_2_63_is_still_refused(small):
+    path, _ = small
+    with nvme.open(path) as f, pytest.raises(nvme.exceptions.InvalidOffsetError):
+        f.sync_pread(np.zeros(100, np.uint8), TOP - 50)
+
+
+@pytest.mark.parametrize("offset", [4000, 10_000, 1 << 40])
+def test_short_read_states_the_real_file_size(small, offset):
+    path, _ = small
+    with nvme.open(path) as f, pytest.raises(ShortReadError) as ei:
+        f.sync_pread(np.zeros(100, np.uint8), offset)
+    msg = str(ei.value)
+    assert "4000 bytes long" in msg, msg
+    assert f"ends at {offset}" not in msg
+    assert ei.value.file_size == 4000
+
+
+def test_short_read_in_the_middle_keeps_what_arrived(small):
+    path, data = small
+    buf = np.zeros(8000, np.uint8)
+    with nvme.open(path) as f, pytest.raises(ShortReadError) as ei:
+        f.sync_pread(buf, 1000)
+    assert ei.value.received == 3000
+    assert "4000 bytes long" in str(ei.value)
+    assert np.array_equal(buf[:3000], data[1000:])
+
+
+def test_short_read_error_pickles_with_its_size():
+    import pickle
+
+    e = ShortReadError("f", 10, 100, 0, file_size=5)
+    e2 = pickle.loads(pickle.dumps(e))
+    assert (e2.file_size, str(e2)) == (5, str(e))
+    assert "ends at or before 10" in str(ShortReadError("f", 10, 100, 0))
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_fd_closed_behind_the_files_back(small, direct):
+    path, _ = small
+    f = nvme.open(path, direct=direct)
+    os.close(f.fileno())
+    with pytest.raises(OSError) as ei:
+        f.sync_pread(np.zeros(100, np.uint8), 0)
+    assert ei.value.errno == errno.EBADF
+    assert "closed" in str(ei.value)
+    assert ei.value.filename == path
+    with pytest.raises(OSError):
+        f.close()  # the fd is gone: close(2) says so too
+
+
+@pytest.mark.parametrize("direct", [True, False])
+async def test_fd_number_reused_by_an_eventfd(small, direct):
+    # The number of the closed fd now names an eventfd (another engine's,
+    # say): the kernel answers ESPIPE ("Illegal seek") to pread and EINVAL to
+    # io_submit, which hide the real cause.
+    path, _ = small
+    f = nvme.open(path, direct=direct)
+    fd = f.fileno()
+    r = os.eventfd(0, os.EFD_NONBLOCK)
+    try:
+        os.dup2(r, fd)  # closes the file's fd, then reuses its number
+        with pytest.raises(OSError) as ei:
+            await f.pread(np.zeros(100, np.uint8), 0)
+        assert ei.value.errno == errno.EBADF, ei.value
+        assert "closed" in str(ei.value) and "not a file" in str(ei.value)
+    finally:
+        f.close()  # closes the eventfd's duplicate
+        os.close(r)
+
+
+def test_misaligned_einval_on_a_real_file_keeps_its_errno(small):
+    # EINVAL from a file that is still open is not blamed on a lost fd.
+    from aionvme import _engine
+
+    path, _ = small
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        ino = _engine.Inode(4000)
+        # A handle that claims byte alignment on an O_DIRECT fd: the kernel refuses.
+        h = _engine.FileHandle(fd, path, _engine.KERNEL_AIO, True, True, False, 1, 1, ino)
+        eng = _engine.Engine(8, 1)
+        try:
+            req = eng.run(eng.read(h, bytearray(100), 3))
+            exc = req.exception()
+            assert isinstance(exc, OSError) and exc.errno == errno.EINVAL, exc
+        finally:
+            eng.close()
+            h.detach()
+    finally:
+        os.close(fd)
