@@ -139,3 +139,12 @@ def test_misaligned_einval_on_a_real_file_keeps_its_errno(small):
             h.detach()
     finally:
         os.close(fd)
+
+
+async def test_engine_fixture_selects_the_engine(engine, make_file):
+    # The fixture the round-trip tests use really switches engines.
+    path, data = make_file(10_000)
+    buf = np.zeros(9_000, np.uint8)
+    await nvme.pread(buf, path, 7)
+    assert np.array_equal(buf, data[7:9007])
+    assert nvme.Handle().stats()["use_aio"] == (engine == "aio")

@@ -217,6 +217,7 @@ cdef class Engine:
     cdef readonly int efd
     cdef readonly int queue_depth
     cdef bint abandoned                 # set in a forked child: touch nothing of the parent's
+    cdef bint counted                   # counted in _live_engines (counters.pxi)
     cdef bint closed
     cdef int pid
     cdef Chunk *chunks

@@ -28,13 +28,15 @@ from operator import index as _index
 
 from aionvme import exceptions as _exc
 
-# The parts, in dependency order: errors (errno -> OSError subclass), buffers
+# The parts, in dependency order: counters (leak counters, the debug build),
+# errors (errno -> OSError subclass), buffers
 # (caller buffers, AlignedBuffer), workers (the C worker pool and its jobs),
 # kernel_aio (io_submit, inline or on the submitter thread), planning (cutting
 # a segment into aligned transfers), requests (Inode, FileHandle, Request),
 # engine (Engine: chunk slots, generate/submit/reap), gds (cuFile by dlopen),
 # probes (statx/statfs/io_setup for the Python layer), fork (locks a forked
 # child re-initialises).
+include "counters.pxi"
 include "errors.pxi"
 include "buffers.pxi"
 include "workers.pxi"

@@ -28,6 +28,15 @@ cdef int RUN_SIGNAL_CHECK_MS = 100
 cdef int64_t COPY_INLINE_MAX = 64 * 1024
 
 
+cdef inline void _free_bounce(Chunk *ch) noexcept nogil:
+    if ch.bounce != NULL:
+        free(ch.bounce)
+        aionvme_atomic_add(&_live_bounce, -1)
+        aionvme_atomic_add(&_live_bounce_bytes, -ch.bounce_size)
+    ch.bounce = NULL
+    ch.bounce_size = 0
+
+
 cdef inline void _list_append(ReqC **head, ReqC **tail, ReqC *r) noexcept nogil:
     r.next = NULL
     r.prev = tail[0]
@@ -108,6 +117,9 @@ cdef class Engine:
         self.efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
         if self.efd < 0:
             _raise_errno(errno)
+        self.counted = True
+        aionvme_atomic_add(&_live_engines, 1)
+        aionvme_atomic_add(&_engine_fds, 1)
         self.chunks = <Chunk *>calloc(queue_depth, sizeof(Chunk))
         self.iocbs = <iocb **>calloc(queue_depth, sizeof(iocb *))
         self.events = <io_event *>calloc(queue_depth, sizeof(io_event))
@@ -209,6 +221,10 @@ cdef class Engine:
             if res < 0 and r.err == 0:
                 r.err = <int32_t>-res
                 r.err_off = 0
+        if AIONVME_DEBUG:
+            _dbg_check(r.inflight > 0 and not (r.flags & RF_FINISHED) and self.nfree < self.queue_depth)
+            aionvme_atomic_add(&_dbg_chunks, -1)
+            aionvme_atomic_add(&_dbg_completed, 1)
         self.n_completed += 1
         self.inflight_bytes -= ch.acct
         ch.acct = 0
@@ -295,15 +311,15 @@ cdef class Engine:
         if p.bounce:
             need = r.block if r.block > r.align else r.align
             if ch.bounce == NULL or ch.bounce_size < need:
-                free(ch.bounce)
-                ch.bounce = NULL
+                _free_bounce(ch)
                 mem = NULL
                 if posix_memalign(&mem, 4096 if r.mem_align <= 4096 else r.mem_align, need) != 0:
-                    ch.bounce_size = 0
                     return -ENOMEM
                 ch.bounce = <char *>mem
                 ch.bounce_size = need
                 self.n_bounce_buffers += 1
+                aionvme_atomic_add(&_live_bounce, 1)
+                aionvme_atomic_add(&_live_bounce_bytes, need)
             ch.buf = ch.bounce
             ch.user = s.addr + (p.upos - s.offset)
             if ch.op == CH_WRITE:
@@ -380,6 +396,9 @@ cdef class Engine:
                 self.free_head = ch.next_free
                 self.nfree -= 1
                 r.inflight += 1
+                if AIONVME_DEBUG:
+                    _dbg_check(self.nfree >= 0 and not (r.flags & RF_FINISHED))
+                    aionvme_atomic_add(&_dbg_chunks, 1)
                 ch.acct = ch.len if (ch.op == CH_READ or ch.op == CH_WRITE or ch.op == CH_RMW) else 0
                 self.inflight_bytes += ch.acct
                 budget -= ch.acct
@@ -697,6 +716,8 @@ cdef class Engine:
                     more=bool(self.more), submit_budget=self.submit_budget,
                     submit_ramp=sub.ramp if sub != NULL else 0,
                     ring_reap=self.ring_reap, threads=self.threads_started,
+                    bounce_live=sum(1 for i in range(self.queue_depth) if self.chunks[i].bounce != NULL)
+                    if self.chunks != NULL else 0,
                     closed=bool(self.closed))
 
     # -- lifecycle ------------------------------------------------------------
@@ -760,7 +781,7 @@ cdef class Engine:
             self.ctx = 0
         if self.chunks != NULL:
             for i in range(self.queue_depth):
-                free(self.chunks[i].bounce)
+                _free_bounce(&self.chunks[i])
             free(self.chunks)
             self.chunks = NULL
         free(self.iocbs)
@@ -774,6 +795,10 @@ cdef class Engine:
         if self.efd >= 0:
             close(self.efd)
             self.efd = -1
+            aionvme_atomic_add(&_engine_fds, -1)
+        if self.counted:
+            self.counted = False
+            aionvme_atomic_add(&_live_engines, -1)
 
     def abandon(self):
         """In a forked child: forget the parent's context, threads and requests
