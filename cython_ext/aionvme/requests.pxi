@@ -319,32 +319,3 @@ cdef Request _new_request(FileHandle f, int op, int nsegs, int64_t block, int ma
         if req.c.segs == NULL or req.views == NULL:
             raise MemoryError()
     return req
-
-
-def deliver(list finished, object cancel_future):
-    """Resolve the futures of finished requests (on the loop's thread).
-
-    ``cancel_future(fut, msg)`` is the Future class's own cancel (the engine
-    does not import asyncio). A request whose cancellation was asked for ends
-    cancelled; else with its byte count or its exception. Then its callback,
-    if any, is called with it.
-    """
-    cdef Request req
-    for obj in finished:
-        req = <Request>obj
-        fut = req.future
-        if fut is None:
-            continue
-        req.future = None
-        fut._aio_req = None
-        if not fut.done():
-            if req.cancel_requested:
-                cancel_future(fut, req.cancel_msg)
-            elif req.ok:
-                fut.set_result(req.nbytes)
-            else:
-                fut.set_exception(req.exception())
-        cb = req.callback
-        if cb is not None:
-            req.callback = None
-            cb(req)
