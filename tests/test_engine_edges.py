@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
+import threading
 
 import numpy as np
 import pytest
@@ -148,3 +150,41 @@ async def test_engine_fixture_selects_the_engine(engine, make_file):
     await nvme.pread(buf, path, 7)
     assert np.array_equal(buf, data[7:9007])
     assert nvme.Handle().stats()["use_aio"] == (engine == "aio")
+
+
+def _sigint_blocked() -> dict[int, bool]:
+    """Per thread id of this process: whether it blocks SIGINT."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            status = open(f"/proc/self/task/{tid}/status").read()
+        except OSError:
+            continue  # the thread ended meanwhile
+        blk = next(line for line in status.splitlines() if line.startswith("SigBlk:"))
+        out[int(tid)] = bool(int(blk.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+    return out
+
+
+def test_engine_threads_leave_signals_to_python_threads(make_file):
+    # A process-directed SIGINT must land on a Python thread (which runs the
+    # handler), not on a worker or the submitter. A fresh Python thread gets
+    # its own engine for blocking calls, whose threads are all new.
+    path, _ = make_file(1 << 20)
+    before = set(_sigint_blocked())
+    seen: dict[int, bool] = {}
+
+    def work() -> None:
+        with nvme.open(path, "r+", direct=False) as f:  # buffered: served by worker threads
+            f.sync_pwrite(np.ones(1 << 20, np.uint8), 0)
+            f.sync_pread(np.zeros(1 << 20, np.uint8), 0)
+        with nvme.open(path, "r+") as f:  # O_DIRECT writes go through the submitter thread
+            f.sync_pwrite(nvme.empty(1 << 20), 0)
+        me = threading.get_native_id()
+        seen.update({t: b for t, b in _sigint_blocked().items() if t not in before and t != me})
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert seen, "no engine thread was started"
+    assert all(seen.values()), f"engine threads that accept SIGINT: {seen}"
+    assert not _sigint_blocked()[threading.get_native_id()]

@@ -122,7 +122,7 @@ cdef bint _submitter_take(Submitter *s, iocb **cbs, int32_t n) noexcept nogil:
     cdef int32_t i
     pthread_mutex_lock(&s.mu)
     if not s.started:
-        if pthread_create(&s.thread, NULL, _submitter_main, <void *>s) != 0:
+        if _start_thread(&s.thread, _submitter_main, <void *>s) != 0:
             pthread_mutex_unlock(&s.mu)
             return False
         s.started = 1

@@ -201,6 +201,20 @@ cdef void *_worker_main(void *arg) noexcept nogil:
         write(p.efd, &one, 8)
 
 
+cdef int _start_thread(pthread_t *t, void *(*main)(void *) noexcept nogil, void *arg) noexcept nogil:
+    # Engine threads block every signal (they inherit the mask they are
+    # created with), so the kernel delivers a process-directed signal such as
+    # SIGINT to a Python thread: a blocking wait in Engine.run is interrupted
+    # at once (EINTR) and runs the handler, instead of at its next timeout.
+    cdef sigset_t every, old
+    cdef int rc
+    sigfillset(&every)
+    pthread_sigmask(SIG_SETMASK, &every, &old)
+    rc = pthread_create(t, NULL, main, arg)
+    pthread_sigmask(SIG_SETMASK, &old, NULL)
+    return rc
+
+
 cdef Pool *_pool_new(int32_t cap, int nthreads_max, int efd) noexcept nogil:
     cdef Pool *p = <Pool *>calloc(1, sizeof(Pool))
     if p == NULL:
@@ -231,7 +245,7 @@ cdef int _pool_grow(Pool *p, int more_jobs) noexcept nogil:
     if want > p.max_threads:
         want = p.max_threads
     while p.nthreads < want:
-        if pthread_create(&p.threads[p.nthreads], NULL, _worker_main, <void *>p) != 0:
+        if _start_thread(&p.threads[p.nthreads], _worker_main, <void *>p) != 0:
             break
         p.nthreads += 1
     n = p.nthreads
