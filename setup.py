@@ -2,7 +2,8 @@
 
 Needs only a C compiler and Cython: kernel AIO is called through syscall(2)
 and cuFile is loaded with dlopen at run time, so neither libaio nor CUDA is
-needed to build. AIONVME_CYTHON_TRACE=1 builds with line tracing for coverage.
+needed to build. AIONVME_CYTHON_TRACE=1 builds with line tracing for coverage;
+AIONVME_DEBUG=1 builds the debug engine (counters and checks on the hot path).
 """
 
 import os
@@ -12,6 +13,9 @@ from setuptools import Extension, setup
 
 macros = [("_GNU_SOURCE", "1")]
 directives = {}
+if os.environ.get("AIONVME_DEBUG"):
+    # the debug build: per-chunk counters and invariant checks (counters.pxi)
+    macros.append(("AIONVME_DEBUG", "1"))
 if os.environ.get("AIONVME_CYTHON_TRACE"):
     macros.append(("CYTHON_TRACE_NOGIL", "1"))
     directives["linetrace"] = True

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import importlib
 import os
 import shutil
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-import aionvme  # noqa: F401 - builds/imports the engine before tests are collected
+import aionvme  # builds/imports the engine before tests are collected
+from aionvme import _engine
 from aionvme._runtime import reactor as _reactor
 
 try:
@@ -54,17 +57,86 @@ def make_file(tmp_dir: Path) -> Callable[..., tuple[str, np.ndarray]]:
     return make
 
 
+def _open_files() -> dict[int, str]:
+    """This process's fds that name regular files (not pipes, sockets, ttys or
+    anonymous inodes such as eventfds, which pytest, asyncio and uvloop open)."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # the fd of the listing itself, gone already
+            continue
+        if target.startswith("/") and not target.startswith(("/dev/", "/proc/")):
+            out[int(name)] = target
+    return out
+
+
 @pytest.fixture(autouse=True)
 def _no_leaks() -> Iterator[None]:
-    """After every test: no engine still holds a request, a chunk, or a buffer."""
+    """After every test: no engine still holds a request, a chunk, or a buffer;
+    no file the test opened is still open; no bounce buffer outlives its engine."""
+    files_before = _open_files()
     yield
     gc.collect()
+    live_bounce = seen = 0
     for eng in list(_reactor._engines):
         s = eng.stats()
         if s["closed"]:
             continue
         assert s["live_requests"] == 0, f"requests left in an engine: {s}"
         assert s["inflight"] == 0, f"chunks left in flight: {s}"
+        live_bounce += s["bounce_live"]
+        seen += 1
+    c = _engine.counters()
+    if seen == c["engines"]:  # every live engine is in view (a Handle's pooled ones are not)
+        assert c["bounce_buffers"] <= live_bounce, f"bounce buffers outlived their engines: {c}"
+    assert c["engine_fds"] <= c["engines"], f"eventfds outlived their engines: {c}"
+    if c["debug"]:
+        assert c["checks_failed"] == 0, f"the debug engine's invariant checks failed: {c}"
+    leaked = {fd: t for fd, t in _open_files().items() if files_before.get(fd) != t}
+    assert not leaked, f"files left open by the test: {leaked}"
+
+
+def _uring_error() -> str | None:
+    probe = _engine.Engine(queue_depth=4, uring=2)
+    try:
+        return None if probe.uring_direct else str(probe.uring_error)
+    finally:
+        probe.close()
+
+
+@pytest.fixture(params=["aio", "uring", "thread"])
+def engine(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run the test on the kernel-AIO engine, the io_uring engine and the
+    worker-thread engine.
+
+    Loops made for the test get a reactor with this engine; blocking calls in
+    the test's thread get a fresh engine of this kind, closed afterwards."""
+    if request.param == "aio" and _engine.aio_probe() is not None:
+        pytest.skip(f"kernel AIO is unavailable here: {_engine.aio_probe()}")
+    if request.param == "uring" and (why := _uring_error()) is not None:
+        pytest.skip(f"io_uring is unavailable here: {why}")
+    tls = _blocking_state()
+    saved = getattr(tls, "pair", None)
+    tls.pair = None
+    try:
+        with aionvme.defaults.set(engine=request.param):
+            yield request.param
+    finally:
+        pair = getattr(tls, "pair", None)
+        if pair is not None:
+            pair[0].close()
+        tls.pair = saved
+
+
+def _blocking_state() -> Any:
+    """The thread-local that holds each thread's engine for blocking calls."""
+    for name in ("aionvme._runtime.blocking",):
+        try:
+            return importlib.import_module(name)._tls
+        except (ImportError, AttributeError):
+            continue
+    raise RuntimeError("cannot find the blocking-call engine of this thread")
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """Round trips against os.pread/os.pwrite as the reference: sizes from 1 byte
 to 64 MiB + odd, aligned and unaligned offsets, aligned and deliberately
-misaligned buffers, every buffer type users pass."""
+misaligned buffers, every buffer type users pass. The core round trips run
+on both engines (the ``engine`` fixture: kernel AIO and the worker pool)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def misaligned(n: int, shift: int) -> np.ndarray:
 
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("offset", OFFSETS)
-async def test_pread_matches_os_pread(make_file, size, offset):
+async def test_pread_matches_os_pread(make_file, size, offset, engine):
     path, data = make_file(offset + size + 1000)
     for shift in (0, 1, 512, 4095):
         buf = misaligned(size, shift)
@@ -41,7 +42,7 @@ async def test_pread_matches_os_pread(make_file, size, offset):
 
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("offset", [0, 1, 511, 4096, 4097, 1 << 20])
-async def test_pwrite_matches_os_pwrite(tmp_dir, size, offset):
+async def test_pwrite_matches_os_pwrite(tmp_dir, size, offset, engine):
     # Same writes through aionvme and through os.pwrite onto identical files.
     rng = np.random.default_rng(size ^ offset)
     base = rng.integers(0, 256, size=offset + size + 3000, dtype=np.uint8).tobytes()
@@ -61,7 +62,7 @@ async def test_pwrite_matches_os_pwrite(tmp_dir, size, offset):
     assert ours.read_bytes() == ref.read_bytes()
 
 
-async def test_large_odd_roundtrip_64mib(tmp_dir):
+async def test_large_odd_roundtrip_64mib(tmp_dir, engine):
     size = (64 << 20) + 12345
     src = np.random.default_rng(7).integers(0, 256, size=size, dtype=np.uint8)
     path = str(tmp_dir / "big.bin")
@@ -76,7 +77,7 @@ async def test_large_odd_roundtrip_64mib(tmp_dir):
     assert np.array_equal(src[1001:], dst2)
 
 
-async def test_writes_extend_files_exactly(tmp_dir):
+async def test_writes_extend_files_exactly(tmp_dir, engine):
     path = str(tmp_dir / "grow.bin")
     chunks = [np.full(n, i + 1, np.uint8) for i, n in enumerate([100, 4096, 1, 70000, 513])]
     off = 0
@@ -87,7 +88,7 @@ async def test_writes_extend_files_exactly(tmp_dir):
     assert np.array_equal(np.fromfile(path, np.uint8), np.concatenate(chunks))
 
 
-async def test_write_past_eof_leaves_a_zero_hole(tmp_dir):
+async def test_write_past_eof_leaves_a_zero_hole(tmp_dir, engine):
     path = str(tmp_dir / "hole.bin")
     await nvme.pwrite(b"abc", path, 0)
     await nvme.pwrite(b"xyz", path, 10_000)
@@ -97,7 +98,7 @@ async def test_write_past_eof_leaves_a_zero_hole(tmp_dir):
     assert raw[3:10_000] == bytes(10_000 - 3)
 
 
-async def test_positional_write_does_not_truncate(make_file):
+async def test_positional_write_does_not_truncate(make_file, engine):
     path, data = make_file(1 << 20)
     await nvme.pwrite(b"hello", path, 100)
     raw = np.fromfile(path, np.uint8)
@@ -169,7 +170,7 @@ async def test_empty_gives_aligned_buffers():
     assert not np.any(a)
 
 
-async def test_file_object_many_reads_and_writes(tmp_dir):
+async def test_file_object_many_reads_and_writes(tmp_dir, engine):
     path = str(tmp_dir / "f.bin")
     bufs = [np.full(4096 + i, i % 251, np.uint8) for i in range(64)]
     offsets = np.cumsum([0] + [len(b) for b in bufs[:-1]]).tolist()
@@ -184,7 +185,7 @@ async def test_file_object_many_reads_and_writes(tmp_dir):
         assert np.array_equal(a, b)
 
 
-async def test_pread_many_and_pwrite_many(make_file):
+async def test_pread_many_and_pwrite_many(make_file, engine):
     path, data = make_file(1 << 20)
     items = [(np.zeros(1000 + i, np.uint8), i * 3001) for i in range(100)]
     async with nvme.open(path, "r+") as f:
@@ -199,7 +200,7 @@ async def test_pread_many_and_pwrite_many(make_file):
         assert np.array_equal(raw[o : o + 10], b)
 
 
-def test_sync_api_without_a_loop(make_file):
+def test_sync_api_without_a_loop(make_file, engine):
     path, data = make_file(3 << 20)
     with nvme.open(path, "r+") as f:
         buf = np.zeros(len(data) - 5, np.uint8)

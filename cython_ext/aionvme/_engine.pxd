@@ -1,5 +1,5 @@
 # Layouts of the engine's C state and extension types. Declarations only; the
-# code lives in _engine.pyx and the .pxi parts it includes.
+# code lives in _engine.pyx and the .pxi parts it includes (named for what they hold).
 from cpython.object cimport PyObject
 from libc.stdint cimport int32_t, int64_t
 
@@ -64,6 +64,8 @@ cdef struct Seg:
 cdef struct InodeC:
     pthread_mutex_t lock
     int64_t known_size     # a lower bound of the file size, kept to skip fstat
+    InodeC *all_next       # every live InodeC, so a forked child can re-initialise its lock
+    InodeC *all_prev
 
 
 cdef struct ReqC:
@@ -215,6 +217,7 @@ cdef class Engine:
     cdef readonly int efd
     cdef readonly int queue_depth
     cdef bint abandoned                 # set in a forked child: touch nothing of the parent's
+    cdef bint counted                   # counted in _live_engines (counters.pxi)
     cdef bint closed
     cdef int pid
     cdef Chunk *chunks

@@ -9,9 +9,10 @@ reach the caller) lives in the Python package.
 """
 from cpython.buffer cimport (PyBUF_ANY_CONTIGUOUS, PyBUF_FORMAT, PyBUF_FULL_RO, PyBUF_WRITABLE,
                              PyBuffer_Release, PyObject_CheckBuffer, PyObject_GetBuffer)
+from cpython.exc cimport PyErr_CheckSignals
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_DECREF, Py_INCREF
-from libc.errno cimport EAGAIN, EBADF, EINTR, EINVAL, EIO, ENOMEM, EOPNOTSUPP, errno
+from libc.errno cimport EAGAIN, EBADF, EINTR, EINVAL, EIO, ENOMEM, EOPNOTSUPP, ESPIPE, errno
 from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memcpy, memmove, memset
@@ -27,11 +28,22 @@ from operator import index as _index
 
 from aionvme import exceptions as _exc
 
-include "_errors.pxi"
-include "_buffers.pxi"
-include "_threads.pxi"
-include "_plan.pxi"
-include "_requests.pxi"
-include "_aio.pxi"
-include "_gds.pxi"
-include "_info.pxi"
+# The parts, in dependency order: counters (leak counters, the debug build),
+# errors (errno -> OSError subclass), buffers
+# (caller buffers, AlignedBuffer), workers (the C worker pool and its jobs),
+# kernel_aio (io_submit, inline or on the submitter thread), planning (cutting
+# a segment into aligned transfers), requests (Inode, FileHandle, Request),
+# engine (Engine: chunk slots, generate/submit/reap), gds (cuFile by dlopen),
+# probes (statx/statfs/io_setup for the Python layer), fork (locks a forked
+# child re-initialises).
+include "counters.pxi"
+include "errors.pxi"
+include "buffers.pxi"
+include "workers.pxi"
+include "kernel_aio.pxi"
+include "planning.pxi"
+include "requests.pxi"
+include "engine.pxi"
+include "gds.pxi"
+include "probes.pxi"
+include "fork.pxi"

@@ -123,24 +123,40 @@ class ShortReadError(AionvmeError, EOFError):
     expected : bytes asked for.
     received : bytes that arrived, contiguously from ``offset``.
     segment : index of the (buffer, offset) pair, for batched reads; else None.
+    file_size : the file's size when the error was made, if known.
     """
 
     def __init__(
-        self, filename: object, offset: int, expected: int, received: int, segment: int | None = None
+        self,
+        filename: object,
+        offset: int,
+        expected: int,
+        received: int,
+        segment: int | None = None,
+        file_size: int | None = None,
     ) -> None:
         self.filename = filename
         self.offset = offset
         self.expected = expected
         self.received = received
         self.segment = segment
+        self.file_size = file_size
         where = f" (item {segment})" if segment is not None else ""
+        if file_size is not None:
+            ends = f"the file is {file_size} bytes long"
+        elif received:
+            ends = f"the file ends at {offset + received}"
+        else:
+            ends = f"the file ends at or before {offset}"
         super().__init__(
-            f"short read{where}: {received} of {expected} bytes at offset {offset} "
-            f"of {filename!r}: the file ends at {offset + received}"
+            f"short read{where}: {received} of {expected} bytes at offset {offset} of {filename!r}: {ends}"
         )
 
     def __reduce__(self) -> tuple[Any, ...]:  # keep pickling working (multiprocessing, loaders)
-        return (type(self), (self.filename, self.offset, self.expected, self.received, self.segment))
+        return (
+            type(self),
+            (self.filename, self.offset, self.expected, self.received, self.segment, self.file_size),
+        )
 
 
 class ShortWriteError(AionvmeError, OSError):

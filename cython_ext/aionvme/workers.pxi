@@ -4,21 +4,19 @@
 # writes, fsync, and everything when io_setup is refused. They finish a job
 # exactly as the kernel finishes an iocb: store res, then bump the eventfd.
 
-cdef int64_t _RESTART_ALIGN = 4096   # >= every O_DIRECT alignment we serve (file.py's default)
-
-
-cdef inline int64_t _full_pread(int fd, char *buf, int64_t n, int64_t off) noexcept nogil:
+cdef inline int64_t _full_pread(int fd, char *buf, int64_t n, int64_t off, int64_t align) noexcept nogil:
     # Loops over short counts; stops at EOF. Returns bytes read or -errno.
     # An error after a partial count is still an error: reported as a short
     # count it would read as "the file ends here" (and a read-modify-write
     # would zero-fill the bytes it could not read and write them back).
-    # After a short count each retry starts at the 4096-aligned position at
-    # or below what arrived (re-reading a few bytes): on an O_DIRECT fd a
-    # retry at the unaligned end of a short read gives EINVAL, not EOF.
+    # After a short count each retry starts at the `align`-aligned position
+    # at or below what arrived (re-reading a few bytes): on an O_DIRECT fd a
+    # retry at the unaligned end of a short read gives EINVAL, not EOF. align
+    # is the fd's own O_DIRECT offset alignment (the request's; 1 when buffered).
     cdef int64_t done = 0, at
     cdef ssize_t r
     while done < n:
-        at = done - done % _RESTART_ALIGN
+        at = done - done % align
         r = pread(fd, buf + at, n - at, off + at)
         if r < 0:
             if errno == EINTR:
@@ -30,7 +28,8 @@ cdef inline int64_t _full_pread(int fd, char *buf, int64_t n, int64_t off) noexc
     return done
 
 
-cdef inline int64_t _full_pwrite(int fd, const char *buf, int64_t n, int64_t off) noexcept nogil:
+cdef inline int64_t _full_pwrite(int fd, const char *buf, int64_t n, int64_t off,
+                                 int64_t align) noexcept nogil:
     # Loops over short counts like _full_pread, restarting at the aligned
     # position at or below what was written (rewriting a few bytes with the
     # same data): on an O_DIRECT fd a retry at an unaligned position answers
@@ -38,7 +37,7 @@ cdef inline int64_t _full_pwrite(int fd, const char *buf, int64_t n, int64_t off
     cdef int64_t done = 0, at
     cdef ssize_t r
     while done < n:
-        at = done - done % _RESTART_ALIGN
+        at = done - done % align
         r = pwrite(fd, buf + at, n - at, off + at)
         if r < 0:
             if errno == EINTR:
@@ -107,14 +106,14 @@ cdef int64_t _job_rmw(Chunk *ch) noexcept nogil:
         res = -errno
     else:
         size0 = st.st_size
-        r = _full_pread(ch.fd, ch.bounce, ch.len, ch.foff)
+        r = _full_pread(ch.fd, ch.bounce, ch.len, ch.foff, ch.req.align)
         if r < 0:
             res = r
         else:
             if r < ch.len:
                 memset(ch.bounce + r, 0, ch.len - r)
             memcpy(ch.bounce + ch.uskip, ch.user, ch.ulen)
-            r = _full_pwrite(ch.fd, ch.bounce, ch.len, ch.foff)
+            r = _full_pwrite(ch.fd, ch.bounce, ch.len, ch.foff, ch.req.align)
             if r < 0:
                 res = r
             elif r < ch.len:
@@ -160,12 +159,12 @@ cdef int64_t _run_job(Chunk *ch) noexcept nogil:
     if ch.op == CH_GDS_READ or ch.op == CH_GDS_WRITE:
         return _gds_job(ch)
     if ch.op == CH_READ:
-        r = _full_pread(ch.fd, ch.buf, ch.len, ch.foff)
+        r = _full_pread(ch.fd, ch.buf, ch.len, ch.foff, ch.req.align)
         if ch.user != NULL and r >= 0:
             _drain(ch, r)
         return r
     if ch.op == CH_WRITE:
-        return _full_pwrite(ch.fd, ch.buf, ch.len, ch.foff)
+        return _full_pwrite(ch.fd, ch.buf, ch.len, ch.foff, ch.req.align)
     if ch.op == CH_RMW:
         return _job_rmw(ch)
     if ch.op == CH_PREP:
@@ -202,6 +201,20 @@ cdef void *_worker_main(void *arg) noexcept nogil:
         write(p.efd, &one, 8)
 
 
+cdef int _start_thread(pthread_t *t, void *(*main)(void *) noexcept nogil, void *arg) noexcept nogil:
+    # Engine threads block every signal (they inherit the mask they are
+    # created with), so the kernel delivers a process-directed signal such as
+    # SIGINT to a Python thread: a blocking wait in Engine.run is interrupted
+    # at once (EINTR) and runs the handler, instead of at its next timeout.
+    cdef sigset_t every, old
+    cdef int rc
+    sigfillset(&every)
+    pthread_sigmask(SIG_SETMASK, &every, &old)
+    rc = pthread_create(t, NULL, main, arg)
+    pthread_sigmask(SIG_SETMASK, &old, NULL)
+    return rc
+
+
 cdef Pool *_pool_new(int32_t cap, int nthreads_max, int efd) noexcept nogil:
     cdef Pool *p = <Pool *>calloc(1, sizeof(Pool))
     if p == NULL:
@@ -232,7 +245,7 @@ cdef int _pool_grow(Pool *p, int more_jobs) noexcept nogil:
     if want > p.max_threads:
         want = p.max_threads
     while p.nthreads < want:
-        if pthread_create(&p.threads[p.nthreads], NULL, _worker_main, <void *>p) != 0:
+        if _start_thread(&p.threads[p.nthreads], _worker_main, <void *>p) != 0:
             break
         p.nthreads += 1
     n = p.nthreads
@@ -312,155 +325,3 @@ cdef void _pool_free(Pool *p, bint forked) noexcept nogil:
     free(p.doneq)
     free(p.threads)
     free(p)
-
-
-# -- submission ----------------------------------------------------------------
-
-cdef int32_t _aio_submit(Submitter *s, iocb **cbs, int32_t n, bint wait_for_room) noexcept nogil:
-    """io_submit cbs[0:n], in order. Returns how many were dealt with:
-    submitted, refused (reported as failed chunks) or handed to the workers.
-    Fewer than n only when the context is full and not wait_for_room."""
-    cdef int32_t i = 0, k
-    cdef long rc
-    cdef int err
-    cdef Chunk *ch
-    cdef timespec pause
-    # The block layer holds back every request of one io_submit until the
-    # call returns (plugging), so the device idles while the kernel prepares
-    # a whole batch. A ramp (2, 4, 8, ... iocbs per call) starts the device
-    # after the first few and costs log2(n) calls: 4 KiB random reads at
-    # QD 64 here, 72-77k IOPS in one call, 80-84k with the ramp from 2.
-    cdef int32_t cap = s.ramp if s.ramp > 0 else n
-    while i < n:
-        # One call for the run up to the next request that asked for one
-        # io_submit per iocb (DeepNVMe's single_submit); those go alone.
-        k = 1
-        if not (<Chunk *>cbs[i]).single:
-            while i + k < n and k < cap and not (<Chunk *>cbs[i + k]).single:
-                k += 1
-            if cap < n:
-                cap *= 2
-        # Counted as in flight before the call: a completion may be reaped on
-        # the loop thread before io_submit even returns here.
-        aionvme_atomic_add(&s.inflight, k)
-        rc = syscall(SYS_io_submit, s.ctx, <long>k, &cbs[i])
-        aionvme_atomic_add(&s.n_calls, 1)
-        if rc > 0:
-            if rc < k:
-                aionvme_atomic_add(&s.inflight, rc - k)
-            aionvme_atomic_add(&s.n_submitted, rc)
-            i += <int32_t>rc
-            continue
-        err = errno if rc < 0 else EAGAIN
-        aionvme_atomic_add(&s.inflight, -k)
-        if err == EINTR:
-            continue
-        if err == EAGAIN:
-            # The context is full: a prefix was taken, the rest must wait for
-            # completions. Never dropped.
-            aionvme_atomic_add(&s.n_eagain, 1)
-            if aionvme_atomic_load(&s.inflight) > 0:
-                if not wait_for_room:
-                    return i
-                pause.tv_sec = 0
-                pause.tv_nsec = 100000
-                nanosleep(&pause, NULL)
-                continue
-            # Nothing in flight will free room: the workers run the rest.
-            for k in range(i, n):
-                (<Chunk *>cbs[k]).kind = KIND_THREAD
-            _pool_run(s.pool, <Chunk **>&cbs[i], n - i)
-            return n
-        # The first iocb was refused (EBADF, EINVAL, ...): it fails alone.
-        ch = <Chunk *>cbs[i]
-        ch.res = -err
-        ch.kind = KIND_THREAD
-        ch.phase = PH_NONE
-        _pool_push_done(s.pool, ch)
-        i += 1
-    return n
-
-
-cdef void *_submitter_main(void *arg) noexcept nogil:
-    cdef Submitter *s = <Submitter *>arg
-    cdef int32_t n, i
-    while True:
-        pthread_mutex_lock(&s.mu)
-        while s.len == 0 and not s.stopping:
-            pthread_cond_wait(&s.cv, &s.mu)
-        if s.len == 0:
-            pthread_mutex_unlock(&s.mu)
-            return NULL
-        n = s.len
-        for i in range(n):
-            s.work[i] = s.q[(s.head + i) % s.cap]
-        s.head = (s.head + n) % s.cap
-        s.len = 0
-        s.busy = 1
-        pthread_mutex_unlock(&s.mu)
-        _aio_submit(s, s.work, n, True)
-        pthread_mutex_lock(&s.mu)
-        s.busy = 0
-        pthread_mutex_unlock(&s.mu)
-
-
-cdef Submitter *_submitter_new(aio_context_t ctx, Pool *pool, int32_t cap) noexcept nogil:
-    cdef Submitter *s = <Submitter *>calloc(1, sizeof(Submitter))
-    if s == NULL:
-        return NULL
-    s.q = <iocb **>calloc(cap, sizeof(iocb *))
-    s.work = <iocb **>calloc(cap, sizeof(iocb *))
-    if s.q == NULL or s.work == NULL:
-        free(s.q)
-        free(s.work)
-        free(s)
-        return NULL
-    s.ctx = ctx
-    s.pool = pool
-    s.cap = cap
-    pthread_mutex_init(&s.mu, NULL)
-    pthread_cond_init(&s.cv, NULL)
-    return s
-
-
-cdef bint _submitter_take(Submitter *s, iocb **cbs, int32_t n) noexcept nogil:
-    """Queue a batch for the submitter thread (started on first use).
-    False if the thread cannot be started: the caller submits inline."""
-    cdef int32_t i
-    pthread_mutex_lock(&s.mu)
-    if not s.started:
-        if pthread_create(&s.thread, NULL, _submitter_main, <void *>s) != 0:
-            pthread_mutex_unlock(&s.mu)
-            return False
-        s.started = 1
-    for i in range(n):
-        s.q[(s.head + s.len) % s.cap] = cbs[i]
-        s.len += 1
-    pthread_cond_signal(&s.cv)
-    pthread_mutex_unlock(&s.mu)
-    return True
-
-
-cdef bint _submitter_idle(Submitter *s) noexcept nogil:
-    cdef bint idle
-    pthread_mutex_lock(&s.mu)
-    idle = s.len == 0 and not s.busy
-    pthread_mutex_unlock(&s.mu)
-    return idle
-
-
-cdef void _submitter_free(Submitter *s, bint forked) noexcept nogil:
-    if s == NULL:
-        return
-    if not forked:
-        pthread_mutex_lock(&s.mu)
-        s.stopping = 1
-        pthread_cond_signal(&s.cv)
-        pthread_mutex_unlock(&s.mu)
-        if s.started:
-            pthread_join(s.thread, NULL)
-        pthread_mutex_destroy(&s.mu)
-        pthread_cond_destroy(&s.cv)
-    free(s.q)
-    free(s.work)
-    free(s)

@@ -17,14 +17,42 @@ def open_handles():
     return _open_handles
 
 
+# Every live InodeC, linked through all_next/all_prev under _inodes_mu: a
+# forked child re-initialises their locks (fork.pxi), since a lock held by a
+# parent's thread at fork() stays held in the child, where no thread will
+# ever release it.
+cdef pthread_mutex_t _inodes_mu
+pthread_mutex_init(&_inodes_mu, NULL)
+cdef InodeC *_inodes_head = NULL
+
+
 cdef class Inode:
     """Per (st_dev, st_ino) state shared by all FileHandles of one file."""
 
     def __cinit__(self, long long known_size=0):
+        global _inodes_head
         pthread_mutex_init(&self.c.lock, NULL)
         self.c.known_size = known_size
+        with nogil:
+            pthread_mutex_lock(&_inodes_mu)
+            self.c.all_prev = NULL
+            self.c.all_next = _inodes_head
+            if _inodes_head != NULL:
+                _inodes_head.all_prev = &self.c
+            _inodes_head = &self.c
+            pthread_mutex_unlock(&_inodes_mu)
 
     def __dealloc__(self):
+        global _inodes_head
+        with nogil:
+            pthread_mutex_lock(&_inodes_mu)
+            if self.c.all_prev != NULL:
+                self.c.all_prev.all_next = self.c.all_next
+            else:
+                _inodes_head = self.c.all_next
+            if self.c.all_next != NULL:
+                self.c.all_next.all_prev = self.c.all_prev
+            pthread_mutex_unlock(&_inodes_mu)
         pthread_mutex_destroy(&self.c.lock)
 
     @property
@@ -196,19 +224,45 @@ cdef class Request:
     def exception(self):
         """The error this finished request raises, or None."""
         cdef Seg *s
+        cdef stat st
+        cdef int fd = self.file.fd if self.file is not None else -1
         path = self.file.path if self.file is not None else None
         if self.c.err:
             if self.c.flags & RF_GDS:
                 return _gds_error(self.c.err, path, self.c.err_off, self.nbytes,
                                   "cuFileWrite" if self.c.op == OP_WRITE else "cuFileRead")
-            return _os_error(self.c.err, path, self.c.err_off, self.nbytes, self.op)
+            exc = _os_error(self.c.err, path, self.c.err_off, self.nbytes, self.op)
+            if self.c.err in (EBADF, ESPIPE, EINVAL, EAGAIN) and fd >= 0:
+                _explain_lost_fd(exc, fd)
+            return exc
         if self.c.flags & RF_SHORT_WRITE:
             return _exc.ShortWriteError(path, self.c.err_off, self.nbytes)
         if self.c.short_seg >= 0:
             s = &self.c.segs[self.c.short_seg]
+            size = None
+            # The file's size now, when it agrees with what the read found
+            # (the file may have grown since): the message states it.
+            if fd >= 0 and fstat(fd, &st) == 0 and S_ISREG(st.st_mode) and st.st_size <= self.c.short_at:
+                size = st.st_size
             return _exc.ShortReadError(path, s.offset, s.nbytes, self.c.short_at - s.offset,
-                                       segment=self.c.short_seg if self.c.nsegs > 1 else None)
+                                       segment=self.c.short_seg if self.c.nsegs > 1 else None,
+                                       file_size=size)
         return None
+
+
+cdef int _explain_lost_fd(object exc, int fd) except -1:
+    """EBADF, ESPIPE ("Illegal seek"), EINVAL or EAGAIN from a transfer whose fd no
+    longer refers to a file (closed behind our back with os.close, its number
+    maybe reused by a pipe, socket or eventfd): say so, as EBADF."""
+    cdef stat st
+    cdef int rc = fstat(fd, &st)
+    if rc == 0 and (S_ISREG(st.st_mode) or S_ISBLK(st.st_mode)):
+        return 0   # still a file: the errno stands (a misaligned transfer, say)
+    what = "is closed" if rc != 0 else "now refers to something else (not a file)"
+    exc.errno = EBADF
+    exc.strerror = (f"{os.strerror(EBADF)}: the file descriptor was closed behind aionvme's back "
+                    f"(fd {fd} {what}; was: {exc.strerror})")
+    return 0
 
 
 cdef int64_t _file_offset(object offset) except -1:
@@ -265,32 +319,3 @@ cdef Request _new_request(FileHandle f, int op, int nsegs, int64_t block, int ma
         if req.c.segs == NULL or req.views == NULL:
             raise MemoryError()
     return req
-
-
-def deliver(list finished, object cancel_future):
-    """Resolve the futures of finished requests (on the loop's thread).
-
-    ``cancel_future(fut, msg)`` is the Future class's own cancel (the engine
-    does not import asyncio). A request whose cancellation was asked for ends
-    cancelled; else with its byte count or its exception. Then its callback,
-    if any, is called with it.
-    """
-    cdef Request req
-    for obj in finished:
-        req = <Request>obj
-        fut = req.future
-        if fut is None:
-            continue
-        req.future = None
-        fut._aio_req = None
-        if not fut.done():
-            if req.cancel_requested:
-                cancel_future(fut, req.cancel_msg)
-            elif req.ok:
-                fut.set_result(req.nbytes)
-            else:
-                fut.set_exception(req.exception())
-        cb = req.callback
-        if cb is not None:
-            req.callback = None
-            cb(req)

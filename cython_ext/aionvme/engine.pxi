@@ -1,7 +1,8 @@
 # The engine: one kernel AIO context, one eventfd, a slab of queue_depth chunk
 # slots and the worker pool. All per-chunk work happens here in C.
 #
-# Kernel facts this relies on (measured on kernel 6.18, see DESIGN.md §4):
+# Kernel facts this relies on (fs/aio.c, io_submit(2), io_cancel(2); measured
+# on kernel 6.18):
 # - io_submit may accept a prefix of the batch, then answer EAGAIN: the rest is
 #   kept and resubmitted when completions free room; it is never dropped.
 # - A misaligned O_DIRECT transfer does not fail io_submit; the event's res is
@@ -17,9 +18,23 @@ cdef enum:
     GEN_DONE = 1
     GEN_BLOCKED = 2
 
+# Engine.run wakes at least this often to run Python's signal handlers
+# (Ctrl-C in a blocking call raises within about this long, plus the time the
+# chunks in flight take to land).
+cdef int RUN_SIGNAL_CHECK_MS = 100
+
 # Bounce copies up to this size run inline on the loop thread (a few µs);
 # larger ones go to a worker (see PH_*).
 cdef int64_t COPY_INLINE_MAX = 64 * 1024
+
+
+cdef inline void _free_bounce(Chunk *ch) noexcept nogil:
+    if ch.bounce != NULL:
+        free(ch.bounce)
+        aionvme_atomic_add(&_live_bounce, -1)
+        aionvme_atomic_add(&_live_bounce_bytes, -ch.bounce_size)
+    ch.bounce = NULL
+    ch.bounce_size = 0
 
 
 cdef inline void _list_append(ReqC **head, ReqC **tail, ReqC *r) noexcept nogil:
@@ -102,6 +117,9 @@ cdef class Engine:
         self.efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
         if self.efd < 0:
             _raise_errno(errno)
+        self.counted = True
+        aionvme_atomic_add(&_live_engines, 1)
+        aionvme_atomic_add(&_engine_fds, 1)
         self.chunks = <Chunk *>calloc(queue_depth, sizeof(Chunk))
         self.iocbs = <iocb **>calloc(queue_depth, sizeof(iocb *))
         self.events = <io_event *>calloc(queue_depth, sizeof(io_event))
@@ -203,6 +221,10 @@ cdef class Engine:
             if res < 0 and r.err == 0:
                 r.err = <int32_t>-res
                 r.err_off = 0
+        if AIONVME_DEBUG:
+            _dbg_check(r.inflight > 0 and not (r.flags & RF_FINISHED) and self.nfree < self.queue_depth)
+            aionvme_atomic_add(&_dbg_chunks, -1)
+            aionvme_atomic_add(&_dbg_completed, 1)
         self.n_completed += 1
         self.inflight_bytes -= ch.acct
         ch.acct = 0
@@ -269,12 +291,18 @@ cdef class Engine:
         s = &r.segs[r.cur]
         _plan_chunk(s.offset, s.nbytes, <uintptr_t>s.addr, r.pos, r.align, r.mem_align,
                     r.block, r.op == OP_WRITE, &p)
+        if r.op == OP_READ and p.len > _INT64_MAX - p.foff:
+            # The block reaches 2**63: the kernel refuses a transfer whose end
+            # overflows loff_t (EINVAL, rw_verify_area), and no file holds a
+            # byte there (MAX_LFS_FILESIZE is 2**63 - 1). Read the aligned part
+            # that fits; the rest is past the end of any file: a short read.
+            p.len = (_INT64_MAX - p.foff) - (_INT64_MAX - p.foff) % r.align
         ch.seg = r.cur
         ch.foff = p.foff
         ch.len = p.len
         ch.uskip = p.uskip
         ch.ulen = p.ulen
-        ch.kind = KIND_AIO if r.path == PATH_AIO and self.use_aio else KIND_THREAD
+        ch.kind = KIND_AIO if r.path == PATH_AIO and self.use_aio and p.len > 0 else KIND_THREAD
         if p.rmw:
             ch.op = CH_RMW
             ch.kind = KIND_THREAD
@@ -283,15 +311,15 @@ cdef class Engine:
         if p.bounce:
             need = r.block if r.block > r.align else r.align
             if ch.bounce == NULL or ch.bounce_size < need:
-                free(ch.bounce)
-                ch.bounce = NULL
+                _free_bounce(ch)
                 mem = NULL
                 if posix_memalign(&mem, 4096 if r.mem_align <= 4096 else r.mem_align, need) != 0:
-                    ch.bounce_size = 0
                     return -ENOMEM
                 ch.bounce = <char *>mem
                 ch.bounce_size = need
                 self.n_bounce_buffers += 1
+                aionvme_atomic_add(&_live_bounce, 1)
+                aionvme_atomic_add(&_live_bounce_bytes, need)
             ch.buf = ch.bounce
             ch.user = s.addr + (p.upos - s.offset)
             if ch.op == CH_WRITE:
@@ -368,6 +396,9 @@ cdef class Engine:
                 self.free_head = ch.next_free
                 self.nfree -= 1
                 r.inflight += 1
+                if AIONVME_DEBUG:
+                    _dbg_check(self.nfree >= 0 and not (r.flags & RF_FINISHED))
+                    aionvme_atomic_add(&_dbg_chunks, 1)
                 ch.acct = ch.len if (ch.op == CH_READ or ch.op == CH_WRITE or ch.op == CH_RMW) else 0
                 self.inflight_bytes += ch.acct
                 budget -= ch.acct
@@ -613,16 +644,23 @@ cdef class Engine:
     def run(self, Request req):
         """Drive the engine until req finishes (for callers without a loop).
 
-        An exception while waiting (KeyboardInterrupt, say) cancels req and
-        still waits for its chunks in flight before propagating: the caller's
-        buffer is never left to the kernel."""
+        The wait releases the GIL and wakes at least every
+        ``RUN_SIGNAL_CHECK_MS`` to run Python's signal handlers: a handler that
+        raises (KeyboardInterrupt on Ctrl-C) cancels req, and the chunks
+        already in flight are still waited for before the exception
+        propagates: the caller's buffer is never left to the kernel."""
         try:
             while not (req.c.flags & RF_FINISHED):
                 self.pump()
                 if req.c.flags & RF_FINISHED:
                     break
                 if not self.more:
-                    self.wait()
+                    with nogil:
+                        self._wait_efd(RUN_SIGNAL_CHECK_MS)
+                    # A signal interrupts poll (EINTR) only in the thread it
+                    # is delivered to, which may be a worker: the timeout
+                    # bounds the delay in that case.
+                    PyErr_CheckSignals()
         except BaseException:
             self.cancel(req)
             with nogil:
@@ -678,6 +716,8 @@ cdef class Engine:
                     more=bool(self.more), submit_budget=self.submit_budget,
                     submit_ramp=sub.ramp if sub != NULL else 0,
                     ring_reap=self.ring_reap, threads=self.threads_started,
+                    bounce_live=sum(1 for i in range(self.queue_depth) if self.chunks[i].bounce != NULL)
+                    if self.chunks != NULL else 0,
                     closed=bool(self.closed))
 
     # -- lifecycle ------------------------------------------------------------
@@ -741,7 +781,7 @@ cdef class Engine:
             self.ctx = 0
         if self.chunks != NULL:
             for i in range(self.queue_depth):
-                free(self.chunks[i].bounce)
+                _free_bounce(&self.chunks[i])
             free(self.chunks)
             self.chunks = NULL
         free(self.iocbs)
@@ -755,6 +795,10 @@ cdef class Engine:
         if self.efd >= 0:
             close(self.efd)
             self.efd = -1
+            aionvme_atomic_add(&_engine_fds, -1)
+        if self.counted:
+            self.counted = False
+            aionvme_atomic_add(&_live_engines, -1)
 
     def abandon(self):
         """In a forked child: forget the parent's context, threads and requests

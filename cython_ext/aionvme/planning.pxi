@@ -32,9 +32,9 @@ cdef inline void _plan_chunk(int64_t offset, int64_t nbytes, uintptr_t addr, int
     if pos % align != 0:
         # head: pos == offset here, the only unaligned position
         blk = pos - pos % align
-        uend = blk + align
-        if uend > end:
-            uend = end
+        # min(blk + align, end), without computing blk + align: it overflows
+        # for the block that ends at 2**63
+        uend = end if end - blk <= align else blk + align
         p.foff = blk
         p.len = align
         p.upos = pos
