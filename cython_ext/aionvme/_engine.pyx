@@ -11,7 +11,7 @@ from cpython.buffer cimport (PyBUF_ANY_CONTIGUOUS, PyBUF_FORMAT, PyBUF_FULL_RO, 
                              PyBuffer_Release, PyObject_CheckBuffer, PyObject_GetBuffer)
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_DECREF, Py_INCREF
-from libc.errno cimport EAGAIN, EBADF, EINTR, EINVAL, EIO, ENOMEM, EOPNOTSUPP, errno
+from libc.errno cimport EAGAIN, EBADF, EBUSY, EINTR, EINVAL, EIO, ENOMEM, EOPNOTSUPP, errno
 from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memcpy, memmove, memset
@@ -20,6 +20,7 @@ from aionvme.includes.cufile cimport *
 from aionvme.includes.dlfcn cimport *
 from aionvme.includes.linux cimport *
 from aionvme.includes.pthread cimport *
+from aionvme.includes.uring cimport *
 
 import os
 import sys
@@ -29,7 +30,8 @@ from aionvme import exceptions as _exc
 
 # The parts, in dependency order: errors (errno -> OSError subclass), buffers
 # (caller buffers, AlignedBuffer), workers (the C worker pool and its jobs),
-# kernel_aio (io_submit, inline or on the submitter thread), planning (cutting
+# kernel_aio (io_submit, inline or on the submitter thread), uring (io_uring
+# submission through the same chunks), planning (cutting
 # a segment into aligned transfers), requests (Inode, FileHandle, Request),
 # engine (Engine: chunk slots, generate/submit/reap), gds (cuFile by dlopen),
 # probes (statx/statfs/io_setup for the Python layer).
@@ -37,6 +39,7 @@ include "errors.pxi"
 include "buffers.pxi"
 include "workers.pxi"
 include "kernel_aio.pxi"
+include "uring.pxi"
 include "planning.pxi"
 include "requests.pxi"
 include "engine.pxi"
