@@ -52,6 +52,7 @@ cdef enum:
     RF_SINGLE_SUBMIT = 128   # each of its iocbs goes in its own io_submit (single_submit)
     RF_NO_OVERLAP = 256      # batch-and-wait: next window after the last is reaped (overlap_events=False)
     RF_GDS = 512             # device memory through cuFile: CH_GDS_* chunks on workers, never bounced
+    RF_RING_OK = 1024        # a buffered regular file or block device: io_uring may serve it
 
 
 cdef struct Seg:
@@ -194,6 +195,7 @@ cdef class FileHandle:
     cdef public object owner       # the user-facing File, for error messages and close callbacks
     cdef void *cufh                # cuFile handle, registered on first GDS use (NULL: none)
     cdef readonly object gds_refused   # why cuFile refused this fd (CuFileError), or None
+    cdef readonly bint ring_ok         # buffered and positional (regular file, block device): io_uring may serve it
     cdef int _close_fd(self) except -1
 
 

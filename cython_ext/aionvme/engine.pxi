@@ -317,7 +317,7 @@ cdef class Engine:
         if r.path == PATH_AIO and self.use_aio:
             ch.kind = KIND_AIO
             ch.ring = self.uring_direct
-        elif self.use_uring and r.align == 1 and not (r.flags & RF_GDS):
+        elif self.use_uring and (r.flags & RF_RING_OK) and not (r.flags & RF_GDS):
             # Buffered files through io_uring: a page-cache hit completes
             # inside io_uring_enter, with no worker hand-off; a miss goes to
             # io_uring's own workers. (Kernel AIO would copy synchronously.)

@@ -73,6 +73,7 @@ cdef extern from "<sys/stat.h>" nogil:
         unsigned int st_mode
     int fstat(int fd, stat *buf)
     bint S_ISREG(unsigned int mode)
+    bint S_ISBLK(unsigned int mode)
 
 
 cdef extern from "<sys/vfs.h>" nogil:
