@@ -1,10 +1,11 @@
 # Layouts of the engine's C state and extension types. Declarations only; the
 # code lives in _engine.pyx and the .pxi parts it includes (named for what they hold).
 from cpython.object cimport PyObject
-from libc.stdint cimport int32_t, int64_t
+from libc.stdint cimport int32_t, int64_t, uint64_t
 
 from aionvme.includes.linux cimport aio_context_t, io_event, iocb
 from aionvme.includes.pthread cimport pthread_cond_t, pthread_mutex_t, pthread_t
+from aionvme.includes.uring cimport aionvme_uring
 
 
 cdef enum:
@@ -51,6 +52,7 @@ cdef enum:
     RF_SINGLE_SUBMIT = 128   # each of its iocbs goes in its own io_submit (single_submit)
     RF_NO_OVERLAP = 256      # batch-and-wait: next window after the last is reaped (overlap_events=False)
     RF_GDS = 512             # device memory through cuFile: CH_GDS_* chunks on workers, never bounced
+    RF_RING_OK = 1024        # a buffered regular file or block device: io_uring may serve it
 
 
 cdef struct Seg:
@@ -115,6 +117,7 @@ cdef struct Chunk:
     int64_t acct           # bytes this chunk adds to the engine's inflight_bytes
     int32_t next_free
     int64_t doff           # GDS: offset from buf (the cuFile base pointer) of the chunk's first byte
+    int32_t ring           # KIND_AIO through io_uring (1) or kernel AIO (0)
 
 
 cdef struct Pool:
@@ -163,6 +166,16 @@ cdef struct Submitter:
     int32_t ramp             # iocbs in the first io_submit of a batch, doubling (0: one call)
 
 
+cdef struct RingCounters:
+    # io_uring's counterpart of the Submitter's: only the engine's thread
+    # touches them (the ring has one producer and no submitter thread).
+    int64_t inflight         # SQEs filled and not reaped yet
+    int64_t n_calls          # io_uring_enter calls
+    int64_t n_submitted
+    int64_t n_eagain
+    int32_t ramp
+
+
 cdef class Inode:
     cdef object __weakref__
     cdef InodeC c
@@ -184,6 +197,7 @@ cdef class FileHandle:
     cdef public object owner       # the user-facing File, for error messages and close callbacks
     cdef void *cufh                # cuFile handle, registered on first GDS use (NULL: none)
     cdef readonly object gds_refused   # why cuFile refused this fd (CuFileError), or None
+    cdef readonly bint ring_ok         # buffered and positional (regular file, block device): io_uring may serve it
     cdef int _close_fd(self) except -1
 
 
@@ -214,6 +228,15 @@ cdef class Engine:
     cdef aio_context_t ctx
     cdef readonly bint use_aio
     cdef readonly object aio_error     # why kernel AIO is off (OSError), or None
+    cdef aionvme_uring *uring           # the io_uring instance (NULL: kernel AIO or workers)
+    cdef readonly bint use_uring        # a ring exists: buffered files go through it
+    cdef readonly bint uring_direct     # O_DIRECT chunks go through it too, not kernel AIO
+    cdef RingCounters ringc
+    cdef iocb **ringq                   # chunks ready for the ring, in order
+    cdef int32_t n_ringq
+    cdef readonly object uring_error   # why io_uring was asked for and is off (OSError), or None
+    cdef int64_t *cq_res                # completions copied out of the CQ ring
+    cdef uint64_t *cq_data
     cdef readonly int efd
     cdef readonly int queue_depth
     cdef bint abandoned                 # set in a forked child: touch nothing of the parent's
@@ -255,6 +278,7 @@ cdef class Engine:
     cdef readonly long long n_ring_reaps
 
     cdef int _enqueue(self, Request req) except -1
+    cdef int _setup_uring(self, int submit_ramp, bint direct) except -1
     cdef void _finish(self, ReqC *r) noexcept nogil
     cdef void _queue_iocb(self, Chunk *ch) noexcept nogil
     cdef void _reaped_aio(self, Chunk *ch, int64_t res) noexcept nogil

@@ -12,7 +12,7 @@ from cpython.buffer cimport (PyBUF_ANY_CONTIGUOUS, PyBUF_FORMAT, PyBUF_FULL_RO, 
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_DECREF, Py_INCREF
-from libc.errno cimport EAGAIN, EBADF, EINTR, EINVAL, EIO, ENOMEM, EOPNOTSUPP, ESPIPE, errno
+from libc.errno cimport EAGAIN, EBADF, EBUSY, EINTR, EINVAL, EIO, ENOMEM, EOPNOTSUPP, ESPIPE, errno
 from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memcpy, memmove, memset
@@ -21,6 +21,7 @@ from aionvme.includes.cufile cimport *
 from aionvme.includes.dlfcn cimport *
 from aionvme.includes.linux cimport *
 from aionvme.includes.pthread cimport *
+from aionvme.includes.uring cimport *
 
 import os
 import sys
@@ -31,7 +32,8 @@ from aionvme import exceptions as _exc
 # The parts, in dependency order: counters (leak counters, the debug build),
 # errors (errno -> OSError subclass), buffers
 # (caller buffers, AlignedBuffer), workers (the C worker pool and its jobs),
-# kernel_aio (io_submit, inline or on the submitter thread), planning (cutting
+# kernel_aio (io_submit, inline or on the submitter thread), uring (io_uring
+# submission through the same chunks), planning (cutting
 # a segment into aligned transfers), requests (Inode, FileHandle, Request),
 # engine (Engine: chunk slots, generate/submit/reap), gds (cuFile by dlopen),
 # probes (statx/statfs/io_setup for the Python layer), fork (locks a forked
@@ -41,6 +43,7 @@ include "errors.pxi"
 include "buffers.pxi"
 include "workers.pxi"
 include "kernel_aio.pxi"
+include "uring.pxi"
 include "planning.pxi"
 include "requests.pxi"
 include "engine.pxi"

@@ -61,7 +61,7 @@ cdef inline void _list_remove(ReqC **head, ReqC **tail, ReqC *r) noexcept nogil:
 
 
 cdef class Engine:
-    """Kernel AIO context + worker pool, driven by pump().
+    """Kernel AIO context and/or io_uring instance + worker pool, driven by pump().
 
     Parameters
     ----------
@@ -95,11 +95,18 @@ cdef class Engine:
         nr_events for io_setup (0: queue_depth). Smaller than queue_depth, the
         kernel context fills before the engine does and io_submit answers
         EAGAIN part way: for tests of that path.
+    uring : int
+        0: no io_uring. 1: an io_uring instance beside kernel AIO, for files
+        served buffered (a page-cache hit completes inside io_uring_enter
+        instead of on a worker). 2: every transfer through io_uring, no
+        kernel AIO. Where io_uring_setup fails, ``uring_error`` says why and
+        the engine works as with 0.
     """
 
     def __cinit__(self, int queue_depth=128, int threads=8, bint use_aio=True, bint ring_reap=True,
                   long long submit_budget=8 << 20, long long max_inflight_bytes=64 << 20,
-                  long long inline_submit_max=512 << 10, int aio_nr=0, int submit_ramp=2):
+                  long long inline_submit_max=512 << 10, int aio_nr=0, int submit_ramp=2,
+                  int uring=0):
         cdef int32_t i
         cdef long rc
         cdef aionvme_aio_ring *ring
@@ -135,7 +142,11 @@ cdef class Engine:
         self.free_head = 0
         self.nfree = queue_depth
         self.use_aio = False
-        if use_aio:
+        # uring: 0 none; 1 a ring for buffered files (page-cache hits complete
+        # in the submitting call, not on a worker); 2 every transfer through it.
+        if use_aio and uring > 0:
+            self._setup_uring(submit_ramp, uring >= 2)
+        if use_aio and not self.uring_direct:
             self.ctx = 0
             with nogil:
                 rc = syscall(SYS_io_setup, <unsigned>(aio_nr if aio_nr > 0 else queue_depth), &self.ctx)
@@ -155,6 +166,34 @@ cdef class Engine:
                 ring = <aionvme_aio_ring *>self.ctx
                 self.ring_reap = (ring_reap and ring.magic == AIONVME_AIO_RING_MAGIC
                                   and ring.incompat_features == 0)
+
+    cdef int _setup_uring(self, int submit_ramp, bint direct) except -1:
+        """An io_uring instance beside (or, direct, instead of) kernel AIO; on
+        failure the reason is kept in uring_error and nothing changes."""
+        cdef int rc
+        cdef aionvme_uring *u = <aionvme_uring *>calloc(1, sizeof(aionvme_uring))
+        self.cq_res = <int64_t *>calloc(self.queue_depth, sizeof(int64_t))
+        self.cq_data = <uint64_t *>calloc(self.queue_depth, sizeof(uint64_t))
+        self.ringq = <iocb **>calloc(self.queue_depth, sizeof(iocb *))
+        if u == NULL or self.cq_res == NULL or self.cq_data == NULL or self.ringq == NULL:
+            free(u)
+            raise MemoryError()
+        with nogil:
+            rc = aionvme_uring_init(u, <unsigned>self.queue_depth, self.efd, 0)
+        if rc < 0:
+            # ENOSYS (no io_uring, or older than 5.5), EPERM (seccomp, or
+            # kernel.io_uring_disabled), EOPNOTSUPP (no IORING_OP_READ: < 5.6)
+            free(u)
+            self.uring_error = _os_error(-rc, None, None, None, "io_uring_setup")
+            return 0
+        self.ringc.ramp = submit_ramp if submit_ramp > 0 else 0
+        self.uring = u
+        self.use_uring = True
+        if direct:
+            self.uring_direct = True
+            self.use_aio = True   # the kernel-async path for O_DIRECT is the ring
+            self.ring_reap = False
+        return 0
 
     # -- the hot path (C, no GIL) -------------------------------------------
 
@@ -302,7 +341,18 @@ cdef class Engine:
         ch.len = p.len
         ch.uskip = p.uskip
         ch.ulen = p.ulen
-        ch.kind = KIND_AIO if r.path == PATH_AIO and self.use_aio and p.len > 0 else KIND_THREAD
+        if r.path == PATH_AIO and self.use_aio and p.len > 0:
+            ch.kind = KIND_AIO
+            ch.ring = self.uring_direct
+        elif self.use_uring and (r.flags & RF_RING_OK) and not (r.flags & RF_GDS) and p.len > 0:
+            # Buffered files through io_uring: a page-cache hit completes
+            # inside io_uring_enter, with no worker hand-off; a miss goes to
+            # io_uring's own workers. (Kernel AIO would copy synchronously.)
+            ch.kind = KIND_AIO
+            ch.ring = 1
+        else:
+            ch.kind = KIND_THREAD
+            ch.ring = 0
         if p.rmw:
             ch.op = CH_RMW
             ch.kind = KIND_THREAD
@@ -351,6 +401,10 @@ cdef class Engine:
         ch.cb.aio_offset = ch.foff
         ch.cb.aio_flags = IOCB_FLAG_RESFD
         ch.cb.aio_resfd = self.efd
+        if ch.ring:
+            self.ringq[self.n_ringq] = &ch.cb
+            self.n_ringq += 1
+            return
         self.iocbs[self.n_iocbs] = &ch.cb
         self.n_iocbs += 1
         self.iocb_bytes += ch.len
@@ -358,9 +412,15 @@ cdef class Engine:
             self.iocb_writes = True
 
     cdef void _reaped_aio(self, Chunk *ch, int64_t res) noexcept nogil:
-        aionvme_atomic_add(&self.sub.inflight, -1)
         ch.res = res
-        if ch.op == CH_READ and ch.user != NULL and ch.ulen > COPY_INLINE_MAX and res > ch.uskip:
+        if ch.ring and ch.req.path == PATH_THREAD and 0 <= res < ch.len:
+            # A buffered transfer through io_uring came back short: at EOF,
+            # or cut by the page cache. A worker redoes the whole chunk with
+            # its retrying loop, which tells the two apart.
+            ch.kind = KIND_THREAD
+            self.pushq[self.n_push] = ch
+            self.n_push += 1
+        elif ch.op == CH_READ and ch.user != NULL and ch.ulen > COPY_INLINE_MAX and res > ch.uskip:
             ch.phase = PH_DRAIN          # a worker copies it out, then it completes
             self.pushq[self.n_push] = ch
             self.n_push += 1
@@ -424,6 +484,16 @@ cdef class Engine:
     cdef void _submit(self) noexcept nogil:
         cdef int32_t done, k
         cdef bint inline
+        if self.uring != NULL:
+            if self.n_ringq > 0:
+                done = _uring_submit(self.uring, &self.ringc, self.ringq, self.n_ringq)
+                self.n_inline_submits += 1
+                k = self.n_ringq - done
+                if k > 0 and done > 0:
+                    memmove(self.ringq, &self.ringq[done], k * sizeof(iocb *))
+                self.n_ringq = k
+            elif aionvme_uring_sq_pending(self.uring) > 0:
+                _uring_flush(self.uring, &self.ringc)
         if self.n_iocbs > 0:
             inline = (not self.iocb_writes and self.iocb_bytes <= self.inline_submit_max
                       and _submitter_idle(self.sub))
@@ -456,7 +526,18 @@ cdef class Engine:
         cdef io_event *evs
         cdef unsigned head, tail, nr
         read(self.efd, &val, 8)   # reset first: a completion after this re-arms it
-        if self.use_aio:
+        if self.uring != NULL:
+            aionvme_uring_get_events(self.uring)
+            while True:
+                n = aionvme_uring_reap(self.uring, self.cq_data, self.cq_res, self.queue_depth)
+                if n:
+                    self.n_ring_reaps += 1
+                self.ringc.inflight -= n
+                for i in range(n):
+                    self._reaped_aio(&self.chunks[self.cq_data[i]], self.cq_res[i])
+                if n < self.queue_depth:
+                    break
+        if self.ctx != 0:
             # The ring is checked every time (two loads): gating it on a
             # counter another thread updates could miss a completion for good.
             if self.ring_reap:
@@ -477,6 +558,7 @@ cdef class Engine:
                 aionvme_store_release(&ring.head, head)
                 if n:
                     self.n_ring_reaps += 1
+                aionvme_atomic_add(&self.sub.inflight, -n)
                 for i in range(n):
                     self._reaped_aio(&self.chunks[self.events[i].data], self.events[i].res)
             else:
@@ -488,6 +570,7 @@ cdef class Engine:
                         if errno == EINTR:
                             continue
                         break
+                    aionvme_atomic_add(&self.sub.inflight, -rc)
                     for i in range(rc):
                         self._reaped_aio(&self.chunks[self.events[i].data], self.events[i].res)
                     if rc < self.queue_depth:
@@ -680,6 +763,12 @@ cdef class Engine:
         return self.efd
 
     @property
+    def backend(self):
+        """What serves O_DIRECT chunks: "io_uring", "aio" (kernel AIO) or "thread"
+        (workers). Buffered files go through io_uring whenever use_uring."""
+        return "io_uring" if self.uring_direct else ("aio" if self.use_aio else "thread")
+
+    @property
     def inflight(self):
         """Chunks submitted and not yet reaped."""
         return self.queue_depth - self.nfree
@@ -704,17 +793,21 @@ cdef class Engine:
 
     def stats(self):
         cdef Submitter *sub = self.sub
-        return dict(submit_calls=aionvme_atomic_load(&sub.n_calls) if sub != NULL else 0,
-                    submitted=aionvme_atomic_load(&sub.n_submitted) if sub != NULL else 0,
-                    eagain=aionvme_atomic_load(&sub.n_eagain) if sub != NULL else 0,
+        cdef RingCounters *rc = &self.ringc
+        return dict(submit_calls=(aionvme_atomic_load(&sub.n_calls) if sub != NULL else 0) + rc.n_calls,
+                    submitted=(aionvme_atomic_load(&sub.n_submitted) if sub != NULL else 0) + rc.n_submitted,
+                    eagain=(aionvme_atomic_load(&sub.n_eagain) if sub != NULL else 0) + rc.n_eagain,
+                    ring_submit_calls=rc.n_calls, ring_submitted=rc.n_submitted,
                     inline_submits=self.n_inline_submits, thread_submits=self.n_thread_submits,
                     inflight_bytes=self.inflight_bytes, max_inflight_bytes=self.max_inflight_bytes,
                     completed=self.n_completed, thread_jobs=self.n_thread_jobs,
                     requests=self.n_requests, live_requests=self.n_live_requests,
                     inflight=self.queue_depth - self.nfree, bounce_buffers=self.n_bounce_buffers,
-                    ring_reaps=self.n_ring_reaps, use_aio=self.use_aio,
+                    ring_reaps=self.n_ring_reaps, use_aio=self.use_aio, use_uring=self.use_uring,
+                    uring_direct=self.uring_direct,
+                    backend=self.backend,
                     more=bool(self.more), submit_budget=self.submit_budget,
-                    submit_ramp=sub.ramp if sub != NULL else 0,
+                    submit_ramp=sub.ramp if sub != NULL else rc.ramp,
                     ring_reap=self.ring_reap, threads=self.threads_started,
                     bounce_live=sum(1 for i in range(self.queue_depth) if self.chunks[i].bounce != NULL)
                     if self.chunks != NULL else 0,
@@ -779,6 +872,18 @@ cdef class Engine:
                 with nogil:
                     syscall(SYS_io_destroy, self.ctx)
             self.ctx = 0
+        if self.uring != NULL:
+            # The ring fd is closed after the workers stopped and every chunk
+            # was reaped (close drains first); a child only closes its copy.
+            aionvme_uring_free(self.uring, self.abandoned)
+            free(self.uring)
+            self.uring = NULL
+        free(self.cq_res)
+        free(self.cq_data)
+        free(self.ringq)
+        self.cq_res = NULL
+        self.cq_data = NULL
+        self.ringq = NULL
         if self.chunks != NULL:
             for i in range(self.queue_depth):
                 _free_bounce(&self.chunks[i])
@@ -809,6 +914,8 @@ cdef class Engine:
         self.abandoned = True
         self.closed = True
         self.use_aio = False
+        self.use_uring = False
+        self.uring_direct = False
         self._teardown()
 
     def __dealloc__(self):

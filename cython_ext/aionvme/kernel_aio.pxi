@@ -35,17 +35,21 @@ cdef int32_t _aio_submit(Submitter *s, iocb **cbs, int32_t n, bint wait_for_room
                 cap *= 2
         # Counted as in flight before the call: a completion may be reaped on
         # the loop thread before io_submit even returns here.
+        # (And counted as submitted: a caller that reads the counters after
+        # its request finished must see every iocb of it.)
         aionvme_atomic_add(&s.inflight, k)
-        rc = syscall(SYS_io_submit, s.ctx, <long>k, &cbs[i])
+        aionvme_atomic_add(&s.n_submitted, k)
         aionvme_atomic_add(&s.n_calls, 1)
+        rc = syscall(SYS_io_submit, s.ctx, <long>k, &cbs[i])
         if rc > 0:
             if rc < k:
                 aionvme_atomic_add(&s.inflight, rc - k)
-            aionvme_atomic_add(&s.n_submitted, rc)
+                aionvme_atomic_add(&s.n_submitted, rc - k)
             i += <int32_t>rc
             continue
         err = errno if rc < 0 else EAGAIN
         aionvme_atomic_add(&s.inflight, -k)
+        aionvme_atomic_add(&s.n_submitted, -k)
         if err == EINTR:
             continue
         if err == EAGAIN:

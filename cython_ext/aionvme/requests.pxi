@@ -73,6 +73,13 @@ cdef class Inode:
             pthread_mutex_unlock(&self.c.lock)
 
 
+cdef bint _positional(int fd) noexcept:
+    cdef stat st
+    if fstat(fd, &st) != 0:
+        return False
+    return S_ISREG(st.st_mode) or S_ISBLK(st.st_mode)
+
+
 cdef class FileHandle:
     """An open fd and the way the engine serves it.
 
@@ -100,6 +107,11 @@ cdef class FileHandle:
         if fd >= 0:
             global _open_handles
             _open_handles += 1
+            if align == 1:
+                # Only files with positions go to io_uring: on a pipe or a
+                # character device IORING_OP_READ would consume data where
+                # pread(2) refuses with ESPIPE (the worker path's answer).
+                self.ring_ok = _positional(fd)
 
     def __dealloc__(self):
         # Last resort: a handle nobody closed (its File warned already).
@@ -296,6 +308,8 @@ cdef Request _new_request(FileHandle f, int op, int nsegs, int64_t block, int ma
     req.c.op = op
     req.c.fd = f.fd
     req.c.path = f.path_kind
+    if f.ring_ok:
+        req.c.flags |= RF_RING_OK
     req.c.align = f.align
     req.c.mem_align = f.mem_align
     if block < f.align:

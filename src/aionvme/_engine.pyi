@@ -124,6 +124,9 @@ class Engine:
     owner: Any
     use_aio: bool
     aio_error: OSError | None
+    use_uring: bool
+    uring_direct: bool
+    uring_error: OSError | None
     efd: int
     queue_depth: int
     n_inline_submits: int
@@ -149,7 +152,10 @@ class Engine:
         inline_submit_max: int = ...,
         aio_nr: int = ...,
         submit_ramp: int = ...,
+        uring: int = ...,
     ) -> Engine: ...
+    @property
+    def backend(self) -> str: ...
     def read(
         self,
         f: FileHandle,

@@ -17,6 +17,7 @@ threads        AIONVME_THREADS         worker threads per engine (buffered I/O,
 direct         AIONVME_DIRECT          open files with O_DIRECT (falls back to
                                        buffered where the filesystem refuses)
 engine         AIONVME_ENGINE          ``auto`` (kernel AIO, else threads),
+                                       ``uring`` (io_uring; fail if unavailable),
                                        ``aio`` (fail if AIO is unavailable) or
                                        ``thread`` (worker pool only)
 max_inflight   AIONVME_MAX_INFLIGHT    chunks of one request in flight at once
@@ -83,7 +84,7 @@ __all__ = [
     "validate",
 ]
 
-_ENGINES = ("auto", "aio", "thread")
+_ENGINES = ("auto", "uring", "aio", "thread")
 _GPU_PATHS = ("auto", "gds", "bounce")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZES = frozenset({"block_size", "submit_budget", "inflight_bytes", "gpu_block_size", "pinned_pool"})

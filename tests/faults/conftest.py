@@ -168,3 +168,24 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_sep("-", "fault tests skipped because")
         for r in sorted(reasons):
             terminalreporter.write_line(r)
+
+
+# -- the kernel-async engines --------------------------------------------------------
+
+
+@pytest.fixture(params=["aio", "uring"])
+def kernel_engine(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run a fault test on kernel AIO and on io_uring (every transfer through
+    the ring), for the faults whose completions come from the kernel."""
+    import aionvme as nvme
+    from aionvme._engine import Engine
+
+    if request.param == "uring":
+        probe = Engine(queue_depth=4, uring=2)
+        try:
+            if not probe.uring_direct:
+                pytest.skip(f"io_uring is unavailable here: {probe.uring_error}")
+        finally:
+            probe.close()
+    with nvme.defaults.set(engine=request.param):
+        yield request.param

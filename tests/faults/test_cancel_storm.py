@@ -11,6 +11,7 @@ import os
 import random
 
 import numpy as np
+import pytest
 
 import aionvme as nvme
 from aionvme._engine import open_handles
@@ -19,6 +20,7 @@ MiB = 1 << 20
 N = 300
 
 
+@pytest.mark.usefixtures("kernel_engine")
 async def test_cancellation_storm(make_file, tmp_dir):
     rpath, rdata = make_file(64 * MiB, seed=1)
     wpath = str(tmp_dir / "w.bin")
@@ -88,6 +90,7 @@ async def test_cancellation_storm(make_file, tmp_dir):
     assert s["inflight"] == 0 and s["live_requests"] == 0
 
 
+@pytest.mark.usefixtures("kernel_engine")
 async def test_cancel_after_partial_progress_keeps_what_landed(make_file):
     # A long read cancelled part way: the bytes that arrived are the file's,
     # the rest keep the sentinel; nothing arrives later.

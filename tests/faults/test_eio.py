@@ -38,6 +38,7 @@ async def _until_in_flight(min_chunks: int = 1, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.001)
 
 
+@pytest.mark.usefixtures("kernel_engine")
 async def test_shutdown_under_running_transfers(shutdown_fs, make_file):
     fs = shutdown_fs
     path = str(fs.mnt / "a.bin")
@@ -116,6 +117,7 @@ async def test_shutdown_under_running_transfers(shutdown_fs, make_file):
     assert np.array_equal(back, data)
 
 
+@pytest.mark.usefixtures("kernel_engine")
 async def test_shrunk_loop_device_fails_exactly_past_the_limit(loopfs, drop_caches):
     fs = loopfs("ext4", 64 * MiB)
     path = str(fs.mnt / "big.bin")
@@ -185,6 +187,7 @@ async def test_shrunk_loop_device_fails_exactly_past_the_limit(loopfs, drop_cach
     assert np.array_equal(back, data)
 
 
+@pytest.mark.usefixtures("kernel_engine")
 async def test_limit_cut_while_a_read_is_in_flight(loopfs):
     # The block layer checks a bio against the device size when it is
     # submitted, so the cut fails the chunks issued after it: two chunks in

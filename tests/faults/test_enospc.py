@@ -26,6 +26,7 @@ def _tmp_names(directory) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.name.endswith(".tmp"))
 
 
+@pytest.mark.usefixtures("kernel_engine")
 async def test_extending_write_fails_with_enospc_and_leaves_the_file_as_it_was(ext4):
     path = str(ext4.mnt / "data.bin")
     old = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8)
@@ -48,6 +49,7 @@ async def test_extending_write_fails_with_enospc_and_leaves_the_file_as_it_was(e
     assert np.array_equal(np.fromfile(path, np.uint8), old)
 
 
+@pytest.mark.usefixtures("kernel_engine")
 async def test_buffered_writes_fail_with_enospc_at_the_failing_chunk(ext4):
     path = str(ext4.mnt / "buffered.bin")
     _fill(ext4, keep_free=1 << 20)
@@ -62,6 +64,7 @@ async def test_buffered_writes_fail_with_enospc_at_the_failing_chunk(ext4):
     assert 100 <= e.offset < 100 + data.nbytes
 
 
+@pytest.mark.usefixtures("kernel_engine")
 async def test_batched_write_reports_enospc(ext4):
     path = str(ext4.mnt / "batch.bin")
     _fill(ext4, keep_free=1 << 20)
@@ -106,6 +109,7 @@ async def test_atomic_write_on_a_full_disk_keeps_the_old_file(ext4):
     assert _tmp_names(ext4.mnt) == []
 
 
+@pytest.mark.usefixtures("kernel_engine")
 async def test_runtime_is_usable_after_enospc(ext4, make_file):
     path = str(ext4.mnt / "x.bin")
     _fill(ext4, keep_free=1 << 20)

@@ -33,6 +33,7 @@ async def test_fuse_files_are_direct_on_worker_threads(faultfs):
     assert np.array_equal(out, data)
 
 
+@pytest.mark.usefixtures("kernel_engine")
 @pytest.mark.parametrize("direct", [True, False])
 async def test_eio_in_a_byte_range(faultfs, direct):
     path = str(faultfs.mnt / "e.bin")

@@ -40,6 +40,14 @@ _engines: weakref.WeakSet[Engine] = weakref.WeakSet()  # every live engine, for 
 _owners: weakref.WeakKeyDictionary[Engine, int] = weakref.WeakKeyDictionary()  # engine -> thread ident
 
 
+# How an engine uses io_uring, by defaults.engine: "uring" sends every transfer
+# through it; "auto" keeps kernel AIO for O_DIRECT (bench/README.md: measured
+# ahead of io_uring there on this machine, per event-loop wakeup) and takes
+# io_uring for files served buffered, where a page-cache hit then completes in
+# the submitting call instead of on a worker thread.
+_URING_MODE = {"uring": 2, "auto": 1}
+
+
 def new_engine(settings: defaults.Settings | None = None) -> Engine:
     """An engine shaped by settings (the current defaults if None)."""
     s = settings or defaults.settings
@@ -51,7 +59,12 @@ def new_engine(settings: defaults.Settings | None = None) -> Engine:
         s.submit_budget,
         s.inflight_bytes,
         submit_ramp=s.submit_ramp,
+        uring=_URING_MODE.get(s.engine, 0),
     )
+    if s.engine == "uring" and not eng.uring_direct:
+        err = eng.uring_error or OSError("io_uring is unavailable")
+        eng.close()
+        raise err
     if s.engine == "aio" and not eng.use_aio:
         err = eng.aio_error or OSError("kernel AIO is unavailable")
         eng.close()
