@@ -10,7 +10,6 @@ is importable, else /proc/driver/nvidia.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import importlib.metadata
 import importlib.util
@@ -22,7 +21,7 @@ import tempfile
 from typing import Any
 
 from . import defaults, gpu
-from ._engine import aio_probe, fs_type, fstatx
+from ._engine import Engine, aio_probe, fs_type, fstatx
 from ._runtime.cufile import driver_ready
 from ._runtime.opening import fs_name
 from ._runtime.pinned import has_cap_ipc_lock
@@ -31,8 +30,6 @@ from .memory import empty
 
 __all__ = ["info"]
 
-_IO_URING_SETUP = 425  # the same number on x86_64 and aarch64 (unified syscall table)
-_IO_URING_PARAMS_SIZE = 120  # sizeof(struct io_uring_params)
 
 _AIO_HINTS = {
     errno.ENOSYS: "the kernel has no AIO (CONFIG_AIO=n) or a seccomp filter/gVisor refuses io_setup",
@@ -69,37 +66,56 @@ def kernel_aio() -> dict[str, Any]:
     }
 
 
-def engine_choice(aio_available: bool) -> dict[str, str]:
-    """Which engine a new event loop would get under the current defaults."""
+def engine_choice(aio_available: bool, uring_available: bool | None = None) -> dict[str, str]:
+    """Which engine a new event loop would get under the current defaults, and why."""
     want = defaults.settings.engine
     if want == "thread":
         return {"engine": "thread", "reason": "defaults.engine is 'thread' (AIONVME_ENGINE)"}
+    if want == "uring":
+        if uring_available:
+            return {
+                "engine": "io_uring",
+                "reason": "defaults.engine is 'uring': every transfer through io_uring",
+            }
+        return {
+            "engine": "none",
+            "reason": "defaults.engine is 'uring' but io_uring_setup fails: transfers will raise",
+        }
+    ring = (
+        "; files served buffered (no O_DIRECT) go through io_uring, so page-cache hits complete at once"
+        if want == "auto" and uring_available
+        else ""
+    )
     if aio_available:
-        return {"engine": "aio", "reason": "kernel AIO works (io_setup succeeded)"}
+        return {"engine": "aio", "reason": "kernel AIO works (io_setup succeeded) and serves O_DIRECT" + ring}
     if want == "aio":
         return {
             "engine": "none",
             "reason": "defaults.engine is 'aio' but io_setup fails: transfers will raise",
         }
-    return {"engine": "thread", "reason": "io_setup fails: the C worker-thread pool serves every transfer"}
+    return {
+        "engine": "thread",
+        "reason": "io_setup fails: the C worker-thread pool serves O_DIRECT transfers" + ring,
+    }
 
 
 def io_uring() -> dict[str, Any]:
-    """io_uring availability (aionvme does not use it yet; fio and peers may)."""
+    """Whether this process can set up an io_uring instance the way the engine
+    does (IORING_OP_READ/WRITE, a registered eventfd), and if not why: ENOSYS
+    (no io_uring), EPERM (a seccomp filter, as in Docker's default profile, or
+    kernel.io_uring_disabled), EOPNOTSUPP (older than 5.6)."""
     disabled = _read_int("/proc/sys/kernel/io_uring_disabled")
     out: dict[str, Any] = {"io_uring_disabled": disabled}
-    if platform.machine() not in ("x86_64", "aarch64"):
-        out.update(available=None, error=f"not probed on {platform.machine()}")
-        return out
-    libc = ctypes.CDLL(None, use_errno=True)
-    params = ctypes.create_string_buffer(_IO_URING_PARAMS_SIZE)
-    fd = libc.syscall(ctypes.c_long(_IO_URING_SETUP), ctypes.c_uint(1), params)
-    if fd >= 0:
-        os.close(fd)
-        out.update(available=True, error=None)
-    else:
-        e = ctypes.get_errno()
-        out.update(available=False, error=f"{errno.errorcode.get(e, e)}: {os.strerror(e)}")
+    eng = Engine(queue_depth=4, uring=2)
+    try:
+        err = eng.uring_error
+        if eng.uring_direct:
+            out.update(available=True, error=None)
+        else:
+            e = getattr(err, "errno", None) or errno.ENOSYS
+            out.update(available=False, error=f"{errno.errorcode.get(e, e)}: {os.strerror(e)}")
+    finally:
+        eng.close()
     return out
 
 
@@ -351,11 +367,12 @@ def info(path: str | None = None, *, init_cuda: bool = False) -> dict[str, Any]:
         CUDA started cannot use CUDA in its children.
     """
     aio = kernel_aio()
+    ring = io_uring()
     return {
         "versions": versions(),
         "kernel_aio": aio,
-        "engine": engine_choice(aio["available"]),
-        "io_uring": io_uring(),
+        "engine": engine_choice(aio["available"], ring["available"]),
+        "io_uring": ring,
         "path": path_info(path or os.getcwd()),
         "limits": limits(),
         "cufile": cufile(),

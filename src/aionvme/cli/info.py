@@ -1,5 +1,5 @@
 """``aionvme info [PATH] [--json]``: what this machine offers (like DeepSpeed's
-ds_report): kernel AIO and the engine that would serve, io_uring, O_DIRECT
+ds_report): kernel AIO, io_uring and the engine that would serve, O_DIRECT
 support and alignment where PATH lives, limits, cuFile, GPUs, versions."""
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def rows(d: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         (
             "kernel",
             "io_uring",
-            f"{state}; kernel.io_uring_disabled={ur['io_uring_disabled']} (not used yet)",
-            NOTE,
+            f"{state}; kernel.io_uring_disabled={ur['io_uring_disabled']}",
+            OK if ur["available"] else NOTE,
         )
     )
 

@@ -98,7 +98,7 @@ class Stager(AsyncStager):
         _copy_state_dict(holder, staged)
         return staged["v"]
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:  # type: ignore[override]
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:  # type: ignore[override,unused-ignore]
         """A copy of ``state_dict`` that later changes to it do not reach."""
         t0 = time.perf_counter()
         self._cuda.clear()
