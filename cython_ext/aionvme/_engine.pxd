@@ -197,7 +197,7 @@ cdef class FileHandle:
     cdef public object owner       # the user-facing File, for error messages and close callbacks
     cdef void *cufh                # cuFile handle, registered on first GDS use (NULL: none)
     cdef readonly object gds_refused   # why cuFile refused this fd (CuFileError), or None
-    cdef readonly bint ring_ok         # buffered and positional (regular file, block device): io_uring may serve it
+    cdef readonly bint ring_ok         # buffered, positional, not on tmpfs/ramfs: io_uring may serve it
     cdef int _close_fd(self) except -1
 
 

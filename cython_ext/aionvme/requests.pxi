@@ -73,11 +73,21 @@ cdef class Inode:
             pthread_mutex_unlock(&self.c.lock)
 
 
-cdef bint _positional(int fd) noexcept:
+cdef bint _ring_file(int fd) noexcept:
+    """Whether io_uring may serve a buffered fd: a file with positions (a
+    regular file or block device) whose "device" is not memory. On tmpfs and
+    ramfs every read is a memcpy that io_uring would do inside io_uring_enter,
+    on the event loop's thread: the worker pool copies those in parallel."""
     cdef stat st
-    if fstat(fd, &st) != 0:
+    cdef statfs sf
+    if fstat(fd, &st) != 0 or not (S_ISREG(st.st_mode) or S_ISBLK(st.st_mode)):
         return False
-    return S_ISREG(st.st_mode) or S_ISBLK(st.st_mode)
+    if S_ISREG(st.st_mode):
+        if fstatfs(fd, &sf) != 0:
+            return False
+        if sf.f_type == 0x01021994 or sf.f_type == 0x858458F6:   # TMPFS_MAGIC, RAMFS_MAGIC
+            return False
+    return True
 
 
 cdef class FileHandle:
@@ -111,7 +121,7 @@ cdef class FileHandle:
                 # Only files with positions go to io_uring: on a pipe or a
                 # character device IORING_OP_READ would consume data where
                 # pread(2) refuses with ESPIPE (the worker path's answer).
-                self.ring_ok = _positional(fd)
+                self.ring_ok = _ring_file(fd)
 
     def __dealloc__(self):
         # Last resort: a handle nobody closed (its File warned already).
