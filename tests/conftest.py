@@ -8,7 +8,9 @@ import gc
 import importlib
 import os
 import shutil
+import site
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -57,6 +59,12 @@ def make_file(tmp_dir: Path) -> Callable[..., tuple[str, np.ndarray]]:
     return make
 
 
+# Files libraries keep open on purpose (matplotlib's font cache, ...), not leaks of ours.
+_NOT_OURS = tuple(
+    {"/dev/", "/proc/", sys.prefix + "/", sys.base_prefix + "/", *(p + "/" for p in site.getsitepackages())}
+)
+
+
 def _open_files() -> dict[int, str]:
     """This process's fds that name regular files (not pipes, sockets, ttys or
     anonymous inodes such as eventfds, which pytest, asyncio and uvloop open)."""
@@ -66,7 +74,7 @@ def _open_files() -> dict[int, str]:
             target = os.readlink(f"/proc/self/fd/{name}")
         except OSError:  # the fd of the listing itself, gone already
             continue
-        if target.startswith("/") and not target.startswith(("/dev/", "/proc/")):
+        if target.startswith("/") and not target.startswith(_NOT_OURS):
             out[int(name)] = target
     return out
 

@@ -24,7 +24,7 @@ _NR_IO_URING_SETUP = 425
 CHILD = """
 import asyncio, json, sys, numpy as np
 import aionvme as nvme
-from aionvme import _reactor
+from aionvme._runtime import reactor as _reactor
 
 path = sys.argv[1]
 data = np.random.default_rng(2).integers(0, 256, (1 << 20) + 33, dtype=np.uint8)
