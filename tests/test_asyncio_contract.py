@@ -177,12 +177,6 @@ async def test_file_system_and_argument_errors_arrive_at_the_await(make_file, tm
         h.close()
 
 
-def test_the_calls_need_a_running_loop(make_file):
-    path, _ = make_file(4096)
-    with pytest.raises(RuntimeError):
-        nvme.pread(np.zeros(4096, np.uint8), path)
-
-
 async def test_unsupported_operation_names_the_file(make_file):
     path, _ = make_file(4096)
     with nvme.open(path, "r") as f:
@@ -337,3 +331,25 @@ async def test_the_cuda_transfer_object_is_coroutine_compatible_too():
     with pytest.raises(asyncio.CancelledError):
         await outer
     assert inner.cancelled()
+
+
+def test_calls_made_outside_a_loop_start_when_a_loop_runs_them(tmp_path):
+    # asyncio.run(nvme.pread(...)): no loop runs when the call is made, so it
+    # returns a coroutine that submits once asyncio.run's loop runs it.
+    path = str(tmp_path / "f.bin")
+    data = np.arange(1 << 16, dtype=np.uint8)
+    assert asyncio.run(nvme.pwrite(data, path)) == data.nbytes
+    back = np.zeros_like(data)
+    assert asyncio.run(nvme.pread(back, path)) == data.nbytes
+    assert np.array_equal(back, data)
+    with nvme.Handle() as h:
+        assert asyncio.run(h.pread(back, path, 0)) == data.nbytes
+    with nvme.open(path) as f:
+        assert asyncio.run(f.pread(back, 0)) == data.nbytes
+    # errors still arrive at the await, not at the call
+    missing = nvme.pread(back, str(tmp_path / "missing.bin"))
+    with pytest.raises(FileNotFoundError):
+        asyncio.run(missing)
+    bad = nvme.pread(back, path, block_size=1000)
+    with pytest.raises(nvme.InvalidSettingError):
+        asyncio.run(bad)

@@ -209,7 +209,7 @@ def _readme_params() -> list[object]:
         return []
     params = []
     for c in cases_from(README.read_text(), "README.md"):
-        marks = [pytest.mark.xfail(reason="README is being rewritten", strict=False)]
+        marks = []
         if c.kind == "shell":
             marks.append(pytest.mark.slow)  # aionvme bench/demo take minutes at their default sizes
         params.append(pytest.param(c, id=f"{c.where}-{c.kind}", marks=marks))

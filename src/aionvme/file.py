@@ -283,8 +283,9 @@ def pread(
     data errors (open failures, EISDIR, EACCES, ENOSPC, EIO, short reads, a
     closed File) and argument errors alike (a buffer of the wrong type,
     a read-only buffer, a negative offset, a bad ``block_size``). The call
-    itself raises only RuntimeError when no event loop is running. Every
-    async entry point of aionvme follows this rule.
+    itself never raises. Made outside a running loop (``asyncio.run(pread(...))``)
+    it returns a coroutine that starts the transfer when the loop runs it.
+    Every async entry point of aionvme follows this rule.
 
     Cancelling the awaiting task stops issuing the rest of the transfer and
     waits for the parts in flight before CancelledError is raised: once the

@@ -23,6 +23,7 @@ import os
 import sys
 import threading
 import weakref
+from collections.abc import Awaitable
 from typing import Any
 
 from .. import defaults
@@ -128,14 +129,24 @@ class _IOFuture(AsCoroutine, asyncio.Future):  # type: ignore[type-arg]
 
 collections.abc.Coroutine.register(_IOFuture)
 
+
+async def _raise(exc: BaseException) -> Any:
+    raise exc
+
+
 _future_cancel = asyncio.Future.cancel
 
 
-def failed(exc: BaseException, loop: asyncio.AbstractEventLoop | None = None) -> _IOFuture:
+def failed(exc: BaseException, loop: asyncio.AbstractEventLoop | None = None) -> Awaitable[Any]:
     """A future that raises exc when awaited: how an error found while a
     transfer is being set up (open failed, closed file, bad buffer) reaches
-    the await instead of the call. Needs a running loop (RuntimeError if none)."""
-    fut = _IOFuture(loop=loop or running_loop())
+    the await instead of the call. Outside a running loop (asyncio.run(call))
+    a coroutine that raises it."""
+    if loop is None:
+        loop = asyncio._get_running_loop()
+        if loop is None:
+            return _raise(exc)
+    fut = _IOFuture(loop=loop)
     fut._aio_req = None
     fut.set_exception(exc)
     return fut

@@ -121,7 +121,14 @@ def submit(
     fh: FileHandle | None = None
     temporary = False
     try:
-        r = reactor_of()
+        try:
+            r = reactor_of()
+        except RuntimeError:
+            if asyncio._get_running_loop() is not None:
+                raise
+            # Called outside an event loop, as in asyncio.run(nvme.pread(...)):
+            # a coroutine that starts the transfer once a loop runs it.
+            return _when_awaited(reactor_of, op, file, data, offset, p, direct)
         if p is None:
             p = params()
         fh, temporary = handle_for(file, op in _WRITES, direct)
@@ -138,6 +145,19 @@ def submit(
         if temporary and fh is not None:
             fh.close()  # deferred by the engine until the request has finished
     return r.submit(req)
+
+
+async def _when_awaited(
+    reactor_of: Callable[[], Reactor],
+    op: int,
+    file: Any,
+    data: Any,
+    offset: int,
+    p: Params | None,
+    direct: bool | None,
+) -> int:
+    n: int = await submit(reactor_of, op, file, data, offset, p, direct)
+    return n
 
 
 def run(
