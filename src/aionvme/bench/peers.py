@@ -41,6 +41,8 @@ __all__ = [
     "deepspeed_sweep",
     "deepspeed_unavailable",
     "deepspeed_workload",
+    "disk_figures",
+    "disk_stats",
     "fio",
     "fio_unavailable",
     "point_label",
@@ -106,6 +108,38 @@ def fio(path: str, rw: str, bs: str, iodepth: int, engine: str, size: int, **ext
 # -- DeepSpeed ----------------------------------------------------------------------------------
 
 
+# -- what the device saw -----------------------------------------------------------------------
+
+
+def disk_stats(path: str) -> list[int] | None:
+    """The block device counters (``/sys/dev/block/MAJ:MIN/stat``) of the
+    device holding ``path``, or None where there are none (tmpfs, overlay...)."""
+    st = os.stat(path)
+    try:
+        with open(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat") as f:
+            return [int(x) for x in f.read().split()]
+    except (OSError, ValueError):
+        return None
+
+
+def disk_figures(before: list[int] | None, after: list[int] | None, wall_s: float) -> dict[str, float]:
+    """What the device did between two :func:`disk_stats`: requests, merges,
+    KiB per request and the average number of requests in the device's queue
+    (time in queue / wall time), for reads and writes. Counts the whole
+    device: other I/O on it at the same time is included."""
+    if before is None or after is None or wall_s <= 0:
+        return {}
+    d = [a - b for a, b in zip(after, before, strict=False)]
+    out: dict[str, float] = {}
+    for side, (ios, merges, sectors, ticks) in (("read", d[0:4]), ("write", d[4:8])):
+        if ios:
+            out[f"dev_{side}_requests"] = float(ios)
+            out[f"dev_{side}_merges"] = float(merges)
+            out[f"dev_{side}_kib_per_request"] = sectors * 512 / 1024 / ios
+            out[f"dev_{side}_avg_queue"] = ticks / 1000.0 / wall_s
+    return out
+
+
 def _built_op() -> str | None:
     """Path of a JIT-built ``async_io`` op in torch's extension cache, if any."""
     roots = [os.environ.get("TORCH_EXTENSIONS_DIR", "")]
@@ -120,13 +154,20 @@ def _built_op() -> str | None:
 
 def deepspeed_unavailable(build: bool = False) -> str | None:
     """None where DeepSpeed's real ``async_io`` op can be loaded without
-    building it (or, with ``build``, once built: minutes), else why not."""
+    building it (or, with ``build``, once built: minutes), else why not.
+    Imports DeepSpeed (seconds) only where no built op is found in torch's
+    extension cache."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return "deepspeed is not installed (pip install deepspeed)"
+    if _built_op():
+        return None
     try:
-        import deepspeed  # noqa: F401
         from deepspeed.git_version_info import installed_ops
     except Exception as e:  # DeepSpeed's import fails in many ways (ImportError, its own checks)
         return f"deepspeed is not importable ({type(e).__name__}: {e})"
-    if installed_ops.get("async_io") or _built_op():
+    if installed_ops.get("async_io"):
         return None
     if not os.path.exists("/usr/include/libaio.h"):
         return "DeepSpeed's async_io op is not built and libaio-dev is missing (apt-get install libaio-dev)"
@@ -148,6 +189,7 @@ def deepspeed_sweep(
     size: int = 1 << 30,
     build: bool = False,
     timeout: float = 1800.0,
+    wrap: Sequence[str] = (),
 ) -> list[Result]:
     """Time DeepSpeed's ``aio_handle`` on ``path`` at every point and buffer
     kind, in a child process, page cache dropped before each.
@@ -165,6 +207,8 @@ def deepspeed_sweep(
         Bytes to write (``op="write"`` only).
     build : bool
         Build DeepSpeed's op first when it is not (minutes).
+    wrap : sequence of str
+        A command the child runs under (``["strace", "-f", ...]``).
 
     Returns
     -------
@@ -188,7 +232,7 @@ def deepspeed_sweep(
     env = dict(os.environ)
     env.pop("AIONVME_DEEPSPEED", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "aionvme.bench.peers", json.dumps(spec)],
+        [*wrap, sys.executable, "-m", "aionvme.bench.peers", json.dumps(spec)],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -274,6 +318,7 @@ def _child(spec: dict[str, Any]) -> int:
                 if os.path.exists(path):
                     os.unlink(path)
             drop_caches()
+            before = disk_stats(path) if op == "read" else disk_stats(os.path.dirname(path) or ".")
             with Timer() as timer:
                 if op == "read":
                     n = h.sync_pread(t, path)
@@ -284,6 +329,7 @@ def _child(spec: dict[str, Any]) -> int:
                         os.fsync(fd)
                     finally:
                         os.close(fd)
+            after = disk_stats(path)
             if op == "read":
                 ok = n > 0 and check_pattern(arr, 0)
             else:
@@ -305,6 +351,7 @@ def _child(spec: dict[str, Any]) -> int:
                     op_file=op_file,
                     cold_cache=cold,
                 ),
+                figures=disk_figures(before, after, timer.wall),
             )
             print("RES " + json.dumps(res.to_dict()), flush=True)
             if kind == "locked":
