@@ -192,7 +192,7 @@ def request_shape(trace: str, extents: list[tuple[int, int]]) -> dict[str, float
         i = bisect.bisect_right(starts, sector) - 1
         return i >= 0 and extents[i][0] <= sector < extents[i][1]
 
-    pat = re.compile(r"\s(\d+\.\d+): (block_rq_\w+): \d+,\d+ (\S+) \d+ \(.*?\) (\d+) \+ (\d+)")
+    pat = re.compile(r"\s(\d+\.\d+): (block_rq_\w+): \d+,\d+ (\S+)(?: \d+)? \(.*?\) (\d+) \+ (\d+)")
     events = []
     for line in trace.splitlines():
         m = pat.search(line)
