@@ -278,6 +278,12 @@ def _page_aligned(nbytes: int) -> Any:
     return torch.from_numpy(a), m
 
 
+def _emit(r: Result) -> None:
+    """One result line of the child's protocol (``RES {json}``) on stdout."""
+    sys.stdout.write("RES " + json.dumps(r.to_dict()) + "\n")
+    sys.stdout.flush()
+
+
 def _child(spec: dict[str, Any]) -> int:
     import numpy as np
     import torch
@@ -292,10 +298,7 @@ def _child(spec: dict[str, Any]) -> int:
         raise RuntimeError("aionvme.compat.deepspeed.install() is in effect: not DeepSpeed's own op")
     builder = AsyncIOBuilder()
     if not builder.is_compatible(verbose=False):
-        print(
-            "RES "
-            + json.dumps(Result.skip("deepspeed", "AsyncIOBuilder().is_compatible() is False").to_dict())
-        )
+        _emit(Result.skip("deepspeed", "AsyncIOBuilder().is_compatible() is False"))
         return 0
     lib = builder.load(verbose=False)
     op_file = getattr(lib, "__file__", "") or ""
@@ -353,7 +356,7 @@ def _child(spec: dict[str, Any]) -> int:
                 ),
                 figures=disk_figures(before, after, timer.wall),
             )
-            print("RES " + json.dumps(res.to_dict()), flush=True)
+            _emit(res)
             if kind == "locked":
                 h.free_cpu_locked_tensor(t)
             del t, arr, keep, h
@@ -361,7 +364,7 @@ def _child(spec: dict[str, Any]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_child(json.loads(sys.argv[1])))
+    _child(json.loads(sys.argv[1]))  # errors raise: the parent sees a non-zero status and the traceback
 
 
 async def deepspeed_workload(ctx: Any) -> Result:
