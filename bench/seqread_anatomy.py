@@ -18,7 +18,10 @@ For each arm: MB/s (median, min-max over rounds), and what the device saw
 during the timed part (``/sys/dev/block/*/stat``: requests, KiB per request,
 merges, average queue), plus each arm's per-round ratio to the first arm.
 With ``--strace``: io_submit calls, iocbs per call and bytes per iocb
-(strace slows the run: its speed is not reported).
+(strace slows the run: its speed is not reported). With ``--blk``: the
+requests issued to the file's sectors and their mean size (reliable); the
+in-device and waiting counts pair issue and completion events by order and
+over-count when events are lost or requests split: read them as rough.
 """
 
 from __future__ import annotations
