@@ -66,6 +66,19 @@ def report(name: str, runs: list[B.Result], pause: float = 0.0) -> str:
                     "",
                 ]
             )
+    if name == "safetensors" and all("floor_s" in r.figures for r in runs):
+        fl, floor = _fmt(runs, "floor_s")
+        _, fio_s = _fmt(runs, "floor_fio_s")
+        _, touch_s = _fmt(runs, "touch_s")
+        r, rlo, rhi = B.spread(x.figures["floor_ratio"] for x in runs)
+        rows.append(
+            [
+                "load vs the floor",
+                "",
+                f"fio's best cold read {fio_s} + touching {touch_s} = {floor}, {gb / fl:.2f} GB/s",
+                f"**{r:.2f}x** ({rlo:.2f}-{rhi:.2f})",
+            ]
+        )
     dev, dev_s = _fmt(runs, "device_read_s")
     _, fresh_s = _fmt(runs, "fresh_memory_s")
     table = render.markdown_table(("operation", "aionvme", "baseline", "ratio"), rows, right=4)

@@ -14,6 +14,12 @@ computed per repetition, then their median is taken.
 
 Baselines:
   fio             libaio and io_uring engines, O_DIRECT (needs fio in PATH)
+  deepspeed       DeepSpeed's aio_handle (its real async_io op, built once with
+                  ninja; needs libaio-dev), in a child process without aionvme's
+                  drop-in: the whole file into one buffer from new_cpu_locked_tensor
+                  (mlocked) and one plain page-aligned tensor, best point of a
+                  block size x queue depth x intra_op_parallelism sweep
+                  (--ds-grid full|quick); write + fsync likewise (smaller sweep)
   threadpool      os.preadv/pwritev through asyncio.to_thread, O_DIRECT fd, aligned buffers
   aiofiles        aiofiles (thread pool, buffered, page cache dropped before each run when root)
   caio            caio's linux_aio context (returns copies; buffered fd: it cannot align buffers)
@@ -33,7 +39,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -42,45 +47,13 @@ from typing import Any
 import numpy as np
 
 from aionvme import bench as B
-from aionvme.bench import render
+from aionvme.bench import peers, render
+from aionvme.bench.peers import fio
 from aionvme.defaults import parse_size
 
 REQ = 64 << 20
 Rep = dict[str, B.Result]
-
-
-# -- fio ---------------------------------------------------------------------------------
-
-
-def fio(path: str, rw: str, bs: str, iodepth: int, engine: str, size: int, **extra: Any) -> B.Result:
-    cmd = [
-        "fio",
-        "--name=job",
-        f"--filename={path}",
-        f"--rw={rw}",
-        f"--bs={bs}",
-        f"--iodepth={iodepth}",
-        f"--ioengine={engine}",
-        "--direct=1",
-        f"--size={size}",
-        "--output-format=json",
-        "--thread",
-    ] + [f"--{k}={v}" for k, v in extra.items()]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    job = json.loads(out.stdout[out.stdout.index("{") :])["jobs"][0]
-    side = job["read"] if rw in ("read", "randread") else job["write"]
-    runtime = side["runtime"] / 1000.0
-    cpu = (job["usr_cpu"] + job["sys_cpu"]) / 100.0 * runtime
-    return B.Result(
-        f"fio-{rw}",
-        nbytes=side["io_bytes"],
-        ops=side["total_ios"],
-        wall_s=runtime,
-        cpu_s=cpu,
-        user_s=job["usr_cpu"] / 100.0 * runtime,
-        sys_s=job["sys_cpu"] / 100.0 * runtime,
-        params=dict(engine=engine, bs=bs, iodepth=iodepth),
-    )
+DS_PREFIX = "deepspeed "
 
 
 # -- Python baselines ------------------------------------------------------------------------
@@ -235,7 +208,34 @@ def _ours(r: B.Result) -> B.Result:
     return r
 
 
-def one_repetition(args: argparse.Namespace, d: str) -> Rep:
+def deepspeed_rows(args: argparse.Namespace, res: Rep, points: list[B.Result], op: str, path: str) -> None:
+    """DeepSpeed's best point per buffer kind into ``res`` (every point into ``points``)."""
+    workload = "seqread" if op == "read" else "seqwrite"
+    if op == "read":
+        got = peers.deepspeed_sweep(path, "read", peers.DS_GRIDS[args.ds_grid], build=args.ds_build)
+    else:
+        grid = peers.DS_GRIDS["quick" if args.ds_grid == "quick" else "write"]
+        got = peers.deepspeed_sweep(path, "write", grid, ("locked",), size=args.size, build=args.ds_build)
+        top = peers.best(got, "locked")
+        if top is not None:  # plain tensors at locked's best point: each point writes the whole file
+            p = top.params
+            point = (p["block_size"], p["queue_depth"], p["intra_op_parallelism"])
+            got += peers.deepspeed_sweep(path, "write", [point], ("plain",), size=args.size)
+    points.extend(got)
+    if got and got[0].skipped:
+        res[f"{workload}/{DS_PREFIX}aio_handle"] = got[0]
+        return
+    for kind in peers.BUFFERS:
+        top = peers.best(got, kind)
+        n = sum(1 for r in got if r.params.get("buffer") == kind)
+        if top is not None:
+            res[f"{workload}/{DS_PREFIX}aio_handle {kind} (best of {n})"] = top
+        elif n:
+            bad = B.Result(f"deepspeed-{op}", verified=False, params=dict(buffer=kind))
+            res[f"{workload}/{DS_PREFIX}aio_handle {kind} (best of {n})"] = bad
+
+
+def one_repetition(args: argparse.Namespace, d: str, points: list[B.Result]) -> Rep:
     size, ops, qd = args.size, args.ops, args.iodepth
     path = os.path.join(d, "read.bin")
     wpath = os.path.join(d, "write.bin")
@@ -256,7 +256,12 @@ def one_repetition(args: argparse.Namespace, d: str) -> Rep:
                 res[f"seqread/fio {eng} bs={bs} qd={q}"] = fio(path, "read", bs, q, eng, size)
     for loop in args.loops:
         res[f"seqread/aionvme ({loop})"] = _ours(_run(lambda: B.seqread(path), loop))
+    res["seqread/aionvme one request (uvloop)"] = _ours(
+        _run(lambda: B.seqread(path, request_size=size), "uvloop")
+    )
     res["seqread/aionvme unaligned (uvloop)"] = _ours(_run(lambda: B.seqread(path, misalign=4104), "uvloop"))
+    if args.deepspeed:
+        deepspeed_rows(args, res, points, "read", path)
     res["seqread/threadpool preadv O_DIRECT"] = _run(lambda: threadpool_seqread(path, size), "asyncio")
     if have["aiofiles"]:
         _fresh(True)
@@ -274,6 +279,8 @@ def one_repetition(args: argparse.Namespace, d: str) -> Rep:
         res["seqwrite/fio libaio bs=1M qd=32"] = fio(wpath, "write", "1M", 32, "libaio", size, end_fsync=1)
     res["seqwrite/aionvme (uvloop)"] = _ours(_run(lambda: B.seqwrite(wpath, size), "uvloop"))
     res["seqwrite/threadpool pwritev O_DIRECT"] = _run(lambda: threadpool_seqwrite(wpath, size), "asyncio")
+    if args.deepspeed:
+        deepspeed_rows(args, res, points, "write", os.path.join(d, "ds-write.bin"))
 
     # 4 KiB random reads -----------------------------------------------------------------------
     if have_fio:
@@ -313,26 +320,30 @@ def _metric(workload: str) -> str:
 
 def summarize(reps: list[Rep]) -> list[dict[str, Any]]:
     rows = []
-    for key in reps[0]:
+    keys = list(dict.fromkeys(k for r in reps for k in r))
+    for key in keys:
         workload, tool = key.split("/", 1)
         metric = _metric(workload)
-        mine = [r[key] for r in reps if key in r]
-        ratios = []
-        for r in reps:
-            ceiling = _fio_ref(r, workload)
-            if ceiling and key in r:
-                ratios.append(getattr(r[key], metric) / ceiling)
+        mine = [r[key] for r in reps if key in r and r[key].skipped is None]
+        skipped = [r[key].skipped for r in reps if key in r and r[key].skipped]
+        if not mine:
+            rows.append(dict(workload=workload, tool=tool, metric=metric, skipped=skipped[0], verified=True))
+            continue
         row: dict[str, Any] = dict(
             workload=workload,
             tool=tool,
             metric=metric,
             median=B.median(getattr(x, metric) for x in mine),
+            spread=B.spread(getattr(x, metric) for x in mine)[1:],
             runs=len(mine),
-            ratio_to_fio=B.median(ratios) if ratios else None,
+            ratio_to_fio=_ratio(reps, key, metric, _fio_ref),
+            ratio_to_ds=_ratio(reps, key, metric, _ds_ref),
             cpu_s_per_gib=B.median(x.cpu_s_per_gib for x in mine),
             cpu_us_per_op=B.median(x.cpu_us_per_op for x in mine),
             verified=all(x.verified for x in mine),
         )
+        if tool.startswith(DS_PREFIX):  # which point was DeepSpeed's best, per repetition
+            row["best_points"] = [peers.point_label(x) for x in mine]
         if tool.startswith("aionvme"):  # the stall and latencies are measured for ours only
             row["max_stall_ms"] = max(x.max_stall_s for x in mine) * 1e3
             p99 = [x.p99_us for x in mine if x.p99_us is not None]
@@ -340,6 +351,17 @@ def summarize(reps: list[Rep]) -> list[dict[str, Any]]:
                 row["p99_us"] = B.median(p99)
         rows.append(row)
     return rows
+
+
+def _ratio(reps: list[Rep], key: str, metric: str, ref: Callable[[Rep, str], float | None]) -> float | None:
+    """The median over repetitions of ``key``'s figure / the reference's in the same repetition."""
+    workload = key.split("/", 1)[0]
+    ratios = []
+    for r in reps:
+        ceiling = ref(r, workload)
+        if ceiling and key in r and r[key].skipped is None:
+            ratios.append(getattr(r[key], metric) / ceiling)
+    return B.median(ratios) if ratios else None
 
 
 def _fio_ref(rep: Rep, workload: str) -> float | None:
@@ -351,26 +373,59 @@ def _fio_ref(rep: Rep, workload: str) -> float | None:
     return max(cands) if cands else None
 
 
+def _ds_ref(rep: Rep, workload: str) -> float | None:
+    """DeepSpeed's best configuration in one repetition (either buffer kind)."""
+    cands = [
+        getattr(v, _metric(workload))
+        for k, v in rep.items()
+        if k.startswith(f"{workload}/{DS_PREFIX}") and v.skipped is None and v.verified
+    ]
+    return max(cands) if cands else None
+
+
 def markdown(rows: list[dict[str, Any]], header: str) -> str:
-    head = ("workload", "tool", "median", "vs fio", "CPU", "p99 µs", "worst stall ms")
+    head = (
+        "workload",
+        "tool",
+        "median",
+        "min-max",
+        "vs fio",
+        "vs DeepSpeed",
+        "CPU",
+        "p99 µs",
+        "worst stall ms",
+    )
     cells = []
+    notes = []
     for r in rows:
+        if r.get("skipped"):
+            cells.append([r["workload"], r["tool"], "skipped", "", "", "", "", "", ""])
+            notes.append(f"- {r['workload']}/{r['tool']}: skipped: {r['skipped']}")
+            continue
         unit = "IOPS" if r["metric"] == "iops" else "MB/s"
         cpu = (
             f"{r['cpu_us_per_op']:.1f} µs/op" if r["metric"] == "iops" else f"{r['cpu_s_per_gib']:.3f} s/GiB"
         )
+        lo, hi = r["spread"]
         cells.append(
             [
                 r["workload"],
                 r["tool"] + ("" if r["verified"] else " (DATA MISMATCH)"),
                 f"{r['median']:,.0f} {unit}",
+                f"{lo:,.0f}-{hi:,.0f}",
                 f"{r['ratio_to_fio']:.2f}x" if r["ratio_to_fio"] is not None else "",
+                f"{r['ratio_to_ds']:.2f}x" if r["ratio_to_ds"] is not None else "",
                 cpu,
                 f"{r['p99_us']:,.0f}" if r.get("p99_us") else "",
                 f"{r['max_stall_ms']:.0f}" if "max_stall_ms" in r else "",
             ]
         )
-    return header + "\n\n" + render.markdown_table(head, cells, right=2)
+        if r.get("best_points"):
+            notes.append(
+                f"- {r['workload']}/{r['tool']}: best point per repetition: {', '.join(r['best_points'])}"
+            )
+    table = render.markdown_table(head, cells, right=2)
+    return header + "\n\n" + table + ("\n\n" + "\n".join(notes) if notes else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -382,6 +437,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loops", default="uvloop,asyncio")
     p.add_argument("--dir", default=None)
     p.add_argument("--quick", action="store_true", help="one fio point per engine instead of the sweep")
+    p.add_argument("--no-deepspeed", dest="deepspeed", action="store_false", help="leave DeepSpeed out")
+    p.add_argument(
+        "--ds-grid",
+        choices=("full", "quick"),
+        default="full",
+        help="DeepSpeed's sweep: full = block 1M/4M/8M x QD 32/64/128 x IOP 1/4/8 (reads), 8 points (writes)",
+    )
+    p.add_argument(
+        "--ds-build", action="store_true", help="build DeepSpeed's async_io op when missing (minutes)"
+    )
     p.add_argument("--json", default=None, help="write all figures to this file")
     p.add_argument("--markdown", default=None, help="write the table to this file")
     args = p.parse_args(argv)
@@ -389,11 +454,16 @@ def main(argv: list[str] | None = None) -> int:
     args.loops = [B.resolve_loop(x) for x in args.loops.split(",") if x]
     if shutil.which("fio") is None:
         print("fio is not installed: ratios cannot be computed (apt-get install fio)", file=sys.stderr)
+    if args.deepspeed:
+        why = peers.deepspeed_unavailable(args.ds_build)
+        if why:
+            print(f"DeepSpeed's rows are skipped: {why}", file=sys.stderr)
     reps: list[Rep] = []
+    points: list[B.Result] = []
     with B.scratch_dir(args.dir) as d:
         for i in range(args.repeat):
             t0 = time.perf_counter()
-            reps.append(one_repetition(args, d))
+            reps.append(one_repetition(args, d, points))
             print(f"repetition {i + 1}/{args.repeat}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     rows = summarize(reps)
     header = (
@@ -413,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
                     header=header,
                     rows=rows,
                     repetitions=[{k: v.to_dict() for k, v in r.items()} for r in reps],
+                    deepspeed_points=[x.to_dict() for x in points],
                 ),
                 f,
                 indent=1,

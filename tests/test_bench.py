@@ -6,8 +6,10 @@ name. Speed itself is measured in bench/, not here."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -18,7 +20,7 @@ import pytest
 
 import aionvme
 from aionvme import bench as B
-from aionvme.bench import render
+from aionvme.bench import peers, render
 from aionvme.cli import main
 
 SRC = str(Path(aionvme.__file__).parent.parent)
@@ -93,6 +95,12 @@ def test_cli_format_workloads(tmp_path, capsys, monkeypatch):
         assert r["verified"] is True and r["mb_s"] > 0
         assert r["figures"]["load_ratio"] > 0 and r["figures"]["save_ratio"] > 0
         assert r["p50_us"] is None  # not measured: shown as n/a
+    st = out["results"][0]["figures"]
+    if shutil.which("fio"):  # the floor: fio's cold read of the same file + touching the tensors
+        assert st["floor_fio_s"] > 0 and st["floor_s"] == pytest.approx(st["floor_fio_s"] + st["touch_s"])
+        assert st["floor_ratio"] == pytest.approx(st["floor_s"] / out["results"][0]["wall_s"])
+    else:
+        assert "floor_s" not in st and any("no floor" in n for n in out["results"][0]["notes"])
 
 
 def _results() -> list[B.Result]:
@@ -287,3 +295,66 @@ def test_the_package_needs_neither_the_cli_nor_torch():
     env = dict(os.environ, PYTHONPATH=SRC)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+# -- the peers: fio and DeepSpeed's own op ---------------------------------------------------------
+
+
+def test_disk_figures_from_device_counters(tmp_path):
+    before = [100, 10, 8000, 50, 20, 0, 160, 4] + [0] * 9
+    after = [164, 74, 8000 + 2048 * 64, 50 + 2000, 20, 0, 160, 4] + [0] * 9
+    fig = peers.disk_figures(before, after, wall_s=0.5)
+    assert fig["dev_read_requests"] == 64 and fig["dev_read_merges"] == 64
+    assert fig["dev_read_kib_per_request"] == 1024  # 2048 sectors of 512 B
+    assert fig["dev_read_avg_queue"] == pytest.approx(4.0)  # 2 s of request time in 0.5 s
+    assert "dev_write_requests" not in fig  # no writes in between
+    stats = peers.disk_stats(str(tmp_path))  # the device under tmp_path (ext4 here), or None on tmpfs
+    assert stats is None or len(stats) >= 11
+
+
+def test_deepspeed_workload_is_registered():
+    assert "deepspeed" in B.names()
+    assert B.get("deepspeed").load() is peers.deepspeed_workload
+    assert len(peers.DS_GRIDS["full"]) == 27  # block 1M/4M/8M x QD 32/64/128 x IOP 1/4/8
+
+
+@pytest.mark.slow  # the child imports DeepSpeed: 10-40 s on 2 busy cores
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+def test_deepspeed_child_refuses_aionvme_dropin(tmp_path):
+    """What is measured as DeepSpeed must be DeepSpeed's op, never aionvme's drop-in."""
+    code = (
+        "import aionvme.compat.deepspeed as d; d.install()\n"
+        "from aionvme.bench.peers import _child\n"
+        f"_child(dict(path={str(tmp_path / 'x')!r}, op='read', points=[[1048576, 8, 1]], buffers=['locked']))"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=SRC)
+    )
+    assert p.returncode != 0 and "install() is in effect" in p.stderr, p.stderr[-2000:]
+
+
+_DS_WHY = (
+    peers.deepspeed_unavailable() if importlib.util.find_spec("deepspeed") else "deepspeed is not installed"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_DS_WHY is not None, reason=f"DeepSpeed's async_io op cannot run: {_DS_WHY}")
+def test_deepspeed_peer_reads_and_writes_with_its_own_op(tmp_path):
+    path = str(tmp_path / "r.bin")
+    B.make_file(path, 8 << 20)
+    points = [(1 << 20, 8, 1), (1 << 20, 4, 2)]
+    got = peers.deepspeed_sweep(path, "read", points, ("locked", "plain"))
+    assert len(got) == 4, [r.skipped for r in got]
+    for r in got:
+        assert r.skipped is None and r.verified and r.nbytes == 8 << 20 and r.mb_s > 0
+        assert r.params["op_file"].endswith(".so") and "aionvme" not in r.params["op_file"]
+    assert {(r.params["buffer"], r.params["intra_op_parallelism"]) for r in got} == {
+        (b, p) for b in ("locked", "plain") for p in (1, 2)
+    }
+    assert peers.best(got) is max(got, key=lambda r: r.mb_s)
+    wpath = str(tmp_path / "w.bin")
+    (w,) = peers.deepspeed_sweep(wpath, "write", points[:1], ("locked",), size=4 << 20)
+    assert w.skipped is None and w.verified and os.path.getsize(wpath) == 4 << 20
+    with open(wpath, "rb") as f:
+        assert B.check_pattern(np.frombuffer(f.read(), np.uint8).copy(), 0)

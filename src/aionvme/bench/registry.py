@@ -97,7 +97,12 @@ class Entry:
 _REGISTRY: dict[str, Entry] = {}
 
 # Workloads imported only when they run: "name": ("package.module:function", "help").
-_LAZY: dict[str, tuple[str, str]] = {}
+_LAZY: dict[str, tuple[str, str]] = {
+    "deepspeed": (
+        "aionvme.bench.peers:deepspeed_workload",
+        "DeepSpeed's own aio_handle on the file (child process; -o op=read|write, -o grid=quick|full)",
+    ),
+}
 
 
 def _import(target: str) -> Workload:
