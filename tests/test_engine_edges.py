@@ -149,7 +149,9 @@ async def test_engine_fixture_selects_the_engine(engine, make_file):
     buf = np.zeros(9_000, np.uint8)
     await nvme.pread(buf, path, 7)
     assert np.array_equal(buf, data[7:9007])
-    assert nvme.Handle().stats()["use_aio"] == (engine == "aio")
+    s = nvme.Handle().stats()
+    assert s["use_aio"] == (engine in ("aio", "uring"))  # the kernel-async path: AIO or the ring
+    assert s["uring_direct"] == (engine == "uring")
 
 
 def _sigint_blocked() -> dict[int, bool]:

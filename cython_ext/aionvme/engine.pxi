@@ -402,6 +402,13 @@ cdef class Engine:
         ch.cb.aio_flags = IOCB_FLAG_RESFD
         ch.cb.aio_resfd = self.efd
         if ch.ring:
+            if ch.req.path == PATH_THREAD:
+                # A buffered file: only what completes without waiting (a
+                # page-cache hit) is done by the ring; EAGAIN hands the chunk
+                # to a worker (_reaped_aio). Without RWF_NOWAIT io_uring would
+                # park a read of a file that turned non-blocking (an fd number
+                # reused behind our back) on a poll that may never fire.
+                ch.cb.aio_rw_flags = AIONVME_RWF_NOWAIT
             self.ringq[self.n_ringq] = &ch.cb
             self.n_ringq += 1
             return
@@ -413,10 +420,11 @@ cdef class Engine:
 
     cdef void _reaped_aio(self, Chunk *ch, int64_t res) noexcept nogil:
         ch.res = res
-        if ch.ring and ch.req.path == PATH_THREAD and 0 <= res < ch.len:
-            # A buffered transfer through io_uring came back short: at EOF,
-            # or cut by the page cache. A worker redoes the whole chunk with
-            # its retrying loop, which tells the two apart.
+        if ch.ring and ch.req.path == PATH_THREAD and (0 <= res < ch.len or res == -EAGAIN):
+            # A buffered transfer through io_uring that would have waited
+            # (EAGAIN: not in the page cache) or came back short (at EOF, or
+            # cut by the page cache): a worker redoes the whole chunk with its
+            # retrying loop, which tells EOF from a short copy.
             ch.kind = KIND_THREAD
             self.pushq[self.n_push] = ch
             self.n_push += 1

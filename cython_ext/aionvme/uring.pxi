@@ -31,7 +31,8 @@ cdef int32_t _uring_submit(aionvme_uring *u, RingCounters *s, iocb **cbs, int32_
         for j in range(i, i + k):
             cb = cbs[j]
             aionvme_uring_push_rw(u, cb.aio_lio_opcode != IOCB_CMD_PREAD, <int>cb.aio_fildes, cb.aio_buf,
-                                  <uint32_t>cb.aio_nbytes, <uint64_t>cb.aio_offset, cb.aio_data)
+                                  <uint32_t>cb.aio_nbytes, <uint64_t>cb.aio_offset, cb.aio_data,
+                                  <uint32_t>cb.aio_rw_flags)
         s.inflight += k
         s.n_submitted += k
         i += k

@@ -40,6 +40,7 @@
 #define __NR_io_uring_register 427
 #endif
 
+#define AIONVME_RWF_NOWAIT 0x00000008   /* fail with EAGAIN instead of waiting (include/uapi/linux/fs.h) */
 #define AIONVME_IORING_OP_READ 22
 #define AIONVME_IORING_OP_WRITE 23
 #define AIONVME_IORING_OFF_SQ_RING 0ULL
@@ -252,7 +253,7 @@ static inline unsigned aionvme_uring_sq_pending(const aionvme_uring *u) {
 
 /* Fill the next SQE with a read (write=0) or write; the caller checked space. */
 static inline void aionvme_uring_push_rw(aionvme_uring *u, int write, int fd, uint64_t addr, uint32_t len,
-                                         uint64_t off, uint64_t user_data) {
+                                         uint64_t off, uint64_t user_data, uint32_t rw_flags) {
     unsigned idx = u->sq_local_tail & *u->sq_mask;
     struct aionvme_sqe *e = &u->sqes[idx];
     memset(e, 0, sizeof(*e));
@@ -261,6 +262,7 @@ static inline void aionvme_uring_push_rw(aionvme_uring *u, int write, int fd, ui
     e->addr = addr;
     e->len = len;
     e->off = off;
+    e->rw_flags = rw_flags;
     e->user_data = user_data;
     u->sq_array[idx] = idx;
     u->sq_local_tail++;

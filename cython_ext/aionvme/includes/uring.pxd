@@ -17,6 +17,8 @@ cdef extern from "uring.h" nogil:
     unsigned aionvme_uring_sq_space(const aionvme_uring *u)
     unsigned aionvme_uring_sq_pending(const aionvme_uring *u)
     void aionvme_uring_push_rw(aionvme_uring *u, int write, int fd, uint64_t addr, uint32_t len,
-                               uint64_t off, uint64_t user_data)
+                               uint64_t off, uint64_t user_data, uint32_t rw_flags)
+    enum:
+        AIONVME_RWF_NOWAIT
     int aionvme_uring_enter(aionvme_uring *u, unsigned n)
     int aionvme_uring_reap(aionvme_uring *u, uint64_t *user_data, int64_t *res, int max)
