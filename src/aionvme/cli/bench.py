@@ -68,7 +68,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--direct", dest="direct", action="store_true", default=None, help="O_DIRECT (default)")
     g.add_argument("--buffered", dest="direct", action="store_false", help="buffered I/O (page cache)")
-    p.add_argument("--engine", choices=("auto", "aio", "thread"), default=None)
+    p.add_argument("--engine", choices=("auto", "uring", "aio", "thread"), default=None)
     loc = p.add_mutually_exclusive_group()
     loc.add_argument(
         "--file",
