@@ -195,7 +195,8 @@ async def test_timer_sees_a_loop_stall():
         await asyncio.sleep(0.005)
         time.sleep(0.03)  # the loop is blocked: the monitor's callback runs late
         await asyncio.sleep(0.005)
-    assert t.max_stall >= 0.02 and t.wall >= 0.04 and t.cpu >= 0
+    # uvloop's timers have 1 ms granularity: the two sleeps may end a little early
+    assert t.max_stall >= 0.02 and t.wall >= 0.035 and t.cpu >= 0
     r = t.result("x", 1 << 20, 1)
     assert r.max_stall_s == t.max_stall and r.mb_s > 0
 

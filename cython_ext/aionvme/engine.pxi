@@ -420,10 +420,12 @@ cdef class Engine:
 
     cdef void _reaped_aio(self, Chunk *ch, int64_t res) noexcept nogil:
         ch.res = res
-        if ch.ring and ch.req.path == PATH_THREAD and (0 <= res < ch.len or res == -EAGAIN):
+        if ch.ring and ch.req.path == PATH_THREAD and (
+                0 <= res < ch.len or res == -EAGAIN or res == -EOPNOTSUPP):
             # A buffered transfer through io_uring that would have waited
-            # (EAGAIN: not in the page cache) or came back short (at EOF, or
-            # cut by the page cache): a worker redoes the whole chunk with its
+            # (EAGAIN: not in the page cache; EOPNOTSUPP: a filesystem without
+            # RWF_NOWAIT, such as FUSE) or came back short (at EOF, or cut by
+            # the page cache): a worker redoes the whole chunk with its
             # retrying loop, which tells EOF from a short copy.
             ch.kind = KIND_THREAD
             self.pushq[self.n_push] = ch

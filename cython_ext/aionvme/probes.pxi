@@ -42,6 +42,26 @@ def aio_probe():
     return None
 
 
+def uring_probe():
+    """Set up an io_uring instance as the engine does (IORING_OP_READ/WRITE, a
+    registered eventfd) and tear it down: None if that works here, else the
+    OSError (ENOSYS, EPERM from seccomp or kernel.io_uring_disabled, EOPNOTSUPP
+    before 5.6)."""
+    cdef aionvme_uring u
+    cdef int rc
+    cdef int efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
+    if efd < 0:
+        return _os_error(errno, None, None, None, "eventfd")
+    with nogil:
+        rc = aionvme_uring_init(&u, 1, efd, 0)
+        if rc == 0:
+            aionvme_uring_free(&u, 0)
+        close(efd)
+    if rc < 0:
+        return _os_error(-rc, None, None, None, "io_uring_setup")
+    return None
+
+
 PAGE_SIZE = _PAGE
 KERNEL_AIO = PATH_AIO  # FileHandle path_kind values
 WORKER_POOL = PATH_THREAD

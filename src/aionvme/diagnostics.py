@@ -21,7 +21,7 @@ import tempfile
 from typing import Any
 
 from . import defaults, gpu
-from ._engine import Engine, aio_probe, fs_type, fstatx
+from ._engine import aio_probe, fs_type, fstatx, uring_probe
 from ._runtime.cufile import driver_ready
 from ._runtime.opening import fs_name
 from ._runtime.pinned import has_cap_ipc_lock
@@ -106,16 +106,12 @@ def io_uring() -> dict[str, Any]:
     kernel.io_uring_disabled), EOPNOTSUPP (older than 5.6)."""
     disabled = _read_int("/proc/sys/kernel/io_uring_disabled")
     out: dict[str, Any] = {"io_uring_disabled": disabled}
-    eng = Engine(queue_depth=4, uring=2)
-    try:
-        err = eng.uring_error
-        if eng.uring_direct:
-            out.update(available=True, error=None)
-        else:
-            e = getattr(err, "errno", None) or errno.ENOSYS
-            out.update(available=False, error=f"{errno.errorcode.get(e, e)}: {os.strerror(e)}")
-    finally:
-        eng.close()
+    err = uring_probe()
+    if err is None:
+        out.update(available=True, error=None)
+    else:
+        e = err.errno or errno.ENOSYS
+        out.update(available=False, error=f"{errno.errorcode.get(e, e)}: {os.strerror(e)}")
     return out
 
 
