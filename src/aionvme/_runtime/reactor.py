@@ -243,7 +243,10 @@ class Reactor:
                 continue
             req.future = None
             fut._aio_req = None
-            if not fut.done():
+            if req.ok and not req.cancel_requested:  # the common case first
+                if not fut.done():
+                    fut.set_result(req.nbytes)
+            elif not fut.done():
                 if req.cancel_requested:
                     # the request stopped early and its chunks have landed:
                     # now the future may be cancelled (see _IOFuture.cancel)

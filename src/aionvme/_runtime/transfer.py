@@ -132,13 +132,21 @@ def submit(
         if p is None:
             p = params()
         fh, temporary = handle_for(file, op in _WRITES, direct)
-        if op in (READV, WRITEV):
-            data = list(data)
-        items = _cuda_items(op, data, offset)
-        if items is not None:
-            temporary, t = False, temporary  # the device transfer closes it
-            return submit_device(r, fh, t, op in _WRITES, items, p)
-        req = make(r.engine, op, fh, data, offset, p)
+        if op <= WRITE and not is_cuda(data):
+            # The hot path (one host buffer), without the general dispatch's
+            # calls: 4 KiB random reads by gather spend ~10 µs of CPU per read.
+            if op == READ:
+                req = r.engine.read(fh, data, offset, p[0], p[1], p[2])
+            else:
+                req = r.engine.write(fh, data, offset, p[0], p[1], p[2])
+        else:
+            if op in (READV, WRITEV):
+                data = list(data)
+            items = _cuda_items(op, data, offset)
+            if items is not None:
+                temporary, t = False, temporary  # the device transfer closes it
+                return submit_device(r, fh, t, op in _WRITES, items, p)
+            req = make(r.engine, op, fh, data, offset, p)
     except Exception as e:
         return failed(_named(e, fh))
     finally:
