@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from aionvme.cli._common import drop_caches, human_bytes
+from aionvme.bench import drop_caches
+from aionvme.bench.render import human_bytes
 from aionvme.defaults import parse_size
 
 

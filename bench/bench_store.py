@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 import aionvme as nvme
-from aionvme.cli._common import drop_caches, local_scratch_dir
+from aionvme.bench import drop_caches, local_scratch_dir
 from aionvme.defaults import parse_size
 
 GB = 1e9

@@ -359,3 +359,16 @@ def test_deepspeed_peer_reads_and_writes_with_its_own_op(tmp_path):
     assert w.skipped is None and w.verified and os.path.getsize(wpath) == 4 << 20
     with open(wpath, "rb") as f:
         assert B.check_pattern(np.frombuffer(f.read(), np.uint8).copy(), 0)
+
+
+@pytest.mark.parametrize(
+    "script", sorted(p.name for p in (Path(__file__).resolve().parent.parent / "bench").glob("*.py"))
+)
+def test_every_bench_script_imports_and_answers_help(script):
+    # The scripts import the library's bench package: a rename must not leave one broken.
+    root = Path(__file__).resolve().parent.parent
+    argv = [sys.executable, str(root / "bench" / script), "--help"]
+    if script == "cached_reads.py":  # no options: a small run instead
+        argv[-1] = "2000"
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=root)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]

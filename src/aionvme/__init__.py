@@ -69,7 +69,7 @@ from .store import (
 
 
 def info(path: str | None = None, *, init_cuda: bool = False) -> dict[str, Any]:
-    """What this machine offers aionvme (``aionvme info`` as a dict); see :func:`aionvme._info.info`."""
+    """What this machine offers aionvme (``aionvme info`` as a dict); see :func:`aionvme.diagnostics.info`."""
     from .diagnostics import info as _info
 
     return _info(path, init_cuda=init_cuda)
