@@ -140,11 +140,11 @@ class File(FileBase):
         on a closed file. See :func:`aionvme.pread` for what the awaitable
         accepts and when errors arrive.
         """
-        return transfer.submit(get_reactor, READ, self, buf, offset, self._params())
+        return transfer.submit_file(READ, self, buf, offset, self._params())
 
     def pwrite(self, buf: Any, offset: int = 0) -> Awaitable[int]:
         """Write all of buf at offset (the file grows as needed; never truncated)."""
-        return transfer.submit(get_reactor, WRITE, self, buf, offset, self._params())
+        return transfer.submit_file(WRITE, self, buf, offset, self._params())
 
     def pread_many(self, items: Iterable[tuple[Any, int]]) -> Awaitable[int]:
         """Fill each (buffer, offset) pair; one future for the whole batch.

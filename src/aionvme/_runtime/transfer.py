@@ -24,8 +24,8 @@ from ..exceptions import CuFileError, ShortReadError, UnsupportedOperation
 from . import bounce, cufile
 from .blocking import run as drive_request
 from .cuda import Params, any_cuda, helper, is_cuda, require_cuda
-from .opening import handle_for
-from .reactor import AsCoroutine, Reactor, failed
+from .opening import FileBase, handle_for
+from .reactor import AsCoroutine, Reactor, failed, get_reactor
 
 __all__ = [
     "FDATASYNC",
@@ -40,6 +40,7 @@ __all__ = [
     "run_device",
     "submit",
     "submit_device",
+    "submit_file",
     "transfer_device",
 ]
 
@@ -152,6 +153,30 @@ def submit(
     finally:
         if temporary and fh is not None:
             fh.close()  # deferred by the engine until the request has finished
+    return r.submit(req)
+
+
+def submit_file(op: int, file: FileBase, data: Any, offset: int, p: Params) -> Awaitable[int]:
+    """:func:`submit` of READ or WRITE on an open File, on the running loop's
+    reactor: the same dispatch with the steps a File makes unnecessary left
+    out (no path to open, no reactor callback). 4 KiB random reads by gather
+    are bound by this path's CPU: measured here (bench/gather_cpu.py, 3x3
+    alternated runs) the general :func:`submit` cost ~1 µs more per read."""
+    try:
+        r = get_reactor()
+    except RuntimeError:
+        return submit(get_reactor, op, file, data, offset, p)  # no running loop: its coroutine
+    fh: FileHandle | None = None
+    try:
+        fh = file._handle()
+        if is_cuda(data):
+            return submit_device(r, fh, False, op == WRITE, [(data, offset)], p)
+        if op == READ:
+            req = r.engine.read(fh, data, offset, p[0], p[1], p[2])
+        else:
+            req = r.engine.write(fh, data, offset, p[0], p[1], p[2])
+    except Exception as e:
+        return failed(_named(e, fh))
     return r.submit(req)
 
 
