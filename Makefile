@@ -12,8 +12,9 @@ build:  ## the release engine, in place (src/aionvme/_engine*.so)
 build-debug:  ## the debug engine: per-chunk counters and invariant checks (aionvme._engine.counters())
 	AIONVME_DEBUG=1 $(PYTHON) setup.py build_ext --inplace --force
 
-test: build  ## the whole suite, slow tests included (what CI runs)
+test: build  ## the whole suite, slow soaks included (what CI runs: pyproject's addopts leave them out of a plain run)
 	$(PYTEST) -q tests
+	$(PYTEST) -q -m slow tests
 
 test-quick: build  ## everything but the slow soaks
 	$(PYTEST) -q -x -m "not slow" tests
