@@ -179,13 +179,15 @@ async def randread(
             async def bworker(k: int) -> None:
                 clock = time.perf_counter
                 mine = bufs[k * batch : (k + 1) * batch]
+                i = j = 0
                 for i in range(k * batch, ops, nworkers * batch):
                     j = min(batch, ops - i)
                     t1 = clock()
                     await f.pread_many([(mine[x], offs[i + x]) for x in range(j)])
                     lat[i : i + j] = clock() - t1
-                    for x in range(j):
-                        last[k * batch + x] = i + x
+                # which read each slot saw last, for the check (out of the loop's way)
+                for x in range(j):
+                    last[k * batch + x] = i + x
 
             await asyncio.gather(*(bworker(k) for k in range(nworkers)))
     ok = all(check_pattern(bufs[slot], offs[i]) for slot, i in last.items())
