@@ -32,7 +32,7 @@ def test_bench_loader_smoke(tmp_path):
         "--prefetch",
         "32M",
         "--repeat",
-        "1",
+        "2",
         "--no-peers",
         "--dir",
         str(tmp_path),
@@ -49,7 +49,11 @@ def test_bench_loader_smoke(tmp_path):
         "aionvme Loader sync (batch 1024)",
     ):
         assert tools[name]["ok"] and tools[name]["samples_s"] > 0
-    assert tools["aionvme Loader async (uvloop)"]["stall_ms"] is not None
+    a = tools["aionvme Loader async (uvloop)"]
+    assert a["stall_ms"] is not None and a["stall_max_ms"] >= a["stall_ms"] and a["loop_cpu_ms"] > 0
+    assert a["runs"] == 2 and a["slabs"] >= 1
+    for name in ("fio replay: loader's offsets, shuffled", "fio replay: loader's offsets, sorted/batch"):
+        assert tools[name]["ok"] and tools[name]["MB_s"] > 0  # replayed every one of the 128 reads
     mem = tools["aionvme Loader (fresh process)"]
     assert mem["samples"] == 128 and mem["within"]
     assert not [p for p in os.listdir(tmp_path) if p.startswith("aionvme-bench-loader-")]  # cleaned up
