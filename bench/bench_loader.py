@@ -7,14 +7,25 @@
 
 Workloads (one epoch each, shuffled, the page cache dropped before every run when root):
   128k   samples of 128 KiB, batch 64: aionvme async and sync, against fio randread bs=128k QD 64
-         on the same shard file; peers: torch DataLoader (num_workers 0 and 2) over an np.memmap
-         of one file and over one .npy per sample, mosaicml-streaming StreamingDataset over local
-         MDS shards, webdataset over tar shards, and aionvme over the .npy directory.
+         on the same shard file (the issue's bound), fio randread at the loader's own queue depth
+         (the engine's queue_depth, 128 by default: as many chunks in flight), and fio replaying
+         (read_iolog, at that depth) the loader's own offsets of the epoch, in the epoch's
+         shuffled order and sorted by offset inside each batch of 64 as the loader reads them
+         (what explains a loader above fio at QD 64); peers: torch
+         DataLoader (num_workers 0 and 2) over an np.memmap of one file and over one .npy per
+         sample, mosaicml-streaming StreamingDataset over local MDS shards, webdataset over tar
+         shards, and aionvme over the .npy directory.
   4k     samples of 4 KiB, batch 1024: aionvme against fio randread bs=4k QD 64 (IOPS).
   memory a fresh process runs one epoch over a dataset 4x the prefetch budget and reports its
          RSS growth (bound: budget + 10% + FIXED_OVERHEAD).
 Every reader's samples are checked: each sample begins with its index (int64), and an epoch
 must deliver every index once. CPU is the process's user+system time (workers included).
+fio and the aionvme rows are repeated --repeat times, each tool once per round in turn, and
+the table shows medians (the stall: the median of each run's worst; its worst over all runs
+is in the JSON). A full garbage collection runs before every timed run (a collection owed by
+the set-up, 90-170 ms of loop time with torch loaded, must not land in one reader's epoch).
+"loop CPU ms" is the most CPU the event loop's thread spent between two ticks of a 1 ms
+probe: the loop's own work, which other processes on the machine do not inflate.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import platform
@@ -37,6 +49,7 @@ from typing import Any
 import numpy as np
 
 import aionvme as nvme
+from aionvme.bench.loader import LoopProbe
 from aionvme.defaults import parse_size
 
 FIXED_OVERHEAD = 32 << 20  # RSS allowed besides the budget: loop thread, engine, thread pool, index
@@ -106,6 +119,41 @@ def fio(path: str, bs: str, iodepth: int, size: int) -> dict[str, float]:
     return {"MB_s": job["bw_bytes"] / 1e6, "iops": job["iops"], "ios": job["total_ios"]}
 
 
+def write_iolog(log: str, path: str, offsets: np.ndarray, lengths: np.ndarray) -> None:
+    """A fio iolog (version 2) that reads (offset, length) pairs of ``path`` in this order."""
+    with open(log, "w") as f:
+        f.write(f"fio version 2 iolog\n{path} add\n{path} open\n")
+        f.writelines(f"{path} read {o} {n}\n" for o, n in zip(offsets.tolist(), lengths.tolist()))
+        f.write(f"{path} close\n")
+
+
+def fio_replay(log: str, iodepth: int) -> dict[str, float]:
+    """fio replaying an iolog with libaio, O_DIRECT, ``iodepth`` in flight."""
+    cmd = ["fio", "--name=replay", f"--read_iolog={log}", "--ioengine=libaio", "--direct=1"]
+    cmd += [f"--iodepth={iodepth}", "--output-format=json", "--thread"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    job = json.loads(out.stdout[out.stdout.index("{") :])["jobs"][0]["read"]
+    return {"MB_s": job["bw_bytes"] / 1e6, "iops": job["iops"], "ios": job["total_ios"]}
+
+
+def loader_iologs(root: str, path: str, batch: int) -> tuple[str, str]:
+    """Two iologs of the loader's epoch 0 (seed 0, shuffled) over dataset ``path``: the
+    epoch's order, and that order sorted by offset inside each batch (as the loader reads)."""
+    ds = nvme.data.Dataset(path)
+    x = ds.layout.fields["x"]
+    if len(ds.layout.files) != 1:
+        raise ValueError("the replay needs a dataset of one shard")
+    order = nvme.data.epoch_order(len(ds), 0, 0, True)
+    in_batches = np.concatenate(
+        [b[np.argsort(x.offset[b], kind="stable")] for b in np.split(order, range(batch, len(order), batch))]
+    )
+    logs = []
+    for name, seq in (("shuffled", order), ("sorted", in_batches)):
+        logs.append(os.path.join(root, f"iolog-{name}.txt"))
+        write_iolog(logs[-1], ds.layout.files[0], x.offset[seq], x.nbytes[seq])
+    return logs[0], logs[1]
+
+
 # -- aionvme -------------------------------------------------------------------------
 
 
@@ -120,14 +168,16 @@ async def _stall_probe(stop: asyncio.Event, out: list[float]) -> None:
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians of the numbers over repetitions; the worst stall; ok only if every run was."""
-    out: dict[str, Any] = {}
+    """Medians of the numbers over repetitions (the stall: the median of each run's worst,
+    and ``stall_max_ms`` the worst of all); ok only if every run was."""
+    out: dict[str, Any] = {"runs": len(runs)}
     for k, v in runs[0].items():
         vals = [r[k] for r in runs if r.get(k) is not None]
         if k == "ok":
             out[k] = all(vals)
-        elif k == "stall_ms":
-            out[k] = max(vals) if vals else None
+        elif k in ("stall_ms", "loop_cpu_ms"):
+            out[k] = statistics.median(vals) if vals else None
+            out[k.replace("_ms", "_max_ms")] = max(vals) if vals else None
         elif isinstance(v, (int, float)):
             out[k] = statistics.median(vals)
         else:
@@ -141,16 +191,22 @@ def run_aionvme(
     chk = Check(n)
     drop_caches()
     loader = nvme.data.Loader(path, batch_size=batch, shuffle=True, seed=0, prefetch=prefetch, verify=verify)
+    gc.collect()
     c0, t0 = cpu_s(), time.perf_counter()
     stall: list[float] = []
+    loop_cpu: list[float] = []
     if mode == "async":
 
         async def main() -> None:
             stop = asyncio.Event()
             probe = asyncio.ensure_future(_stall_probe(stop, stall))
+            work = LoopProbe()
+            work.start()
             key = loader.dataset.keys[0]
             async for b in loader:
                 chk.add(b[key])
+            work.stop()
+            loop_cpu.append(work.max_cpu)
             stop.set()
             await probe
             await loader.aclose()
@@ -175,6 +231,8 @@ def run_aionvme(
         "samples_s": n / wall,
         "cpu_us_per_sample": cpu / n * 1e6,
         "stall_ms": stall[0] * 1e3 if stall else None,
+        "loop_cpu_ms": loop_cpu[0] * 1e3 if loop_cpu else None,
+        "slabs": st["slabs"],
         "consumer_wait_s": st["consumer_wait_s"],
         "io_wait_s": st["io_wait_s"],
         "ok": chk.ok(),
@@ -224,6 +282,7 @@ class NpyDataset:
 def timed_peer(name: str, n: int, nbytes: int, batches: Any, key: Any = None) -> dict[str, Any]:
     chk = Check(n)
     drop_caches()
+    gc.collect()
     c0, t0 = cpu_s(), time.perf_counter()
     for b in batches():
         chk.add(b if key is None else key(b))
@@ -362,11 +421,20 @@ def run_all(root: str, big: int, small: int, args: argparse.Namespace) -> list[d
     d4 = os.path.join(root, "ds4k")
     nvme.data.sync_write_dataset(d4, ({"x": sample(i, K)} for i in range(m)), shard_size=small * 2)
     s4 = os.path.join(d4, "shard-00000.bin")
+    log_shuffled, log_sorted = loader_iologs(root, d128, 64)
+    qd = nvme.defaults.settings.queue_depth  # chunks the loader's engine keeps in flight
     runs: dict[str, list[dict[str, Any]]] = {}
     for _ in range(args.repeat):  # every tool once per repetition, in turn
         drop_caches()
         f = fio(shard, "128k", 64, fsize)
         runs.setdefault("fio128", []).append({"MB_s": f["MB_s"], "samples_s": f["iops"], "ok": True})
+        drop_caches()
+        f = fio(shard, "128k", qd, fsize)
+        runs.setdefault("fio128_qd", []).append({"MB_s": f["MB_s"], "samples_s": f["iops"], "ok": True})
+        for key, log in (("fio_shuffled", log_shuffled), ("fio_sorted", log_sorted)):
+            drop_caches()
+            f = fio_replay(log, qd)
+            runs.setdefault(key, []).append({"MB_s": f["MB_s"], "samples_s": f["iops"], "ok": f["ios"] == n})
         runs.setdefault("async128", []).append(run_aionvme(d128, n, 64, args.prefetch, "async"))
         runs.setdefault("sync128", []).append(run_aionvme(d128, n, 64, args.prefetch, "sync"))
         drop_caches()
@@ -377,6 +445,9 @@ def run_all(root: str, big: int, small: int, args: argparse.Namespace) -> list[d
     med = {k: median_run(v) for k, v in runs.items()}
     ref = med["fio128"]["MB_s"]
     add("128k", "fio randread bs=128k QD 64", med["fio128"], ref)
+    add("128k", f"fio randread bs=128k QD {qd} (the loader's depth)", med["fio128_qd"], ref)
+    add("128k", f"fio replay QD {qd}: loader's offsets, shuffled", med["fio_shuffled"], ref)
+    add("128k", f"fio replay QD {qd}: loader's offsets, sorted/batch", med["fio_sorted"], ref)
     add("128k", "aionvme Loader async (uvloop)", med["async128"], ref)
     add("128k", "aionvme Loader sync for", med["sync128"], ref)
     ref4 = med["fio4"]["samples_s"]
@@ -493,23 +564,30 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, big: int, small
         f"kernel {platform.release()}, "
         f"{big >> 20} MiB of 128 KiB samples, {small >> 20} MiB of 4 KiB samples, prefetch {args.prefetch}"
     )
-    cols = "| workload | reader | MB/s | samples/s | vs fio | CPU µs/sample | worst stall ms | ok |"
-    lines = [head, "", cols, "|---|---|---:|---:|---:|---:|---:|---|"]
+    head += f"; medians of {args.repeat} runs for fio and the aionvme rows (one run for the rest)"
+    cols = "| workload | reader | MB/s | samples/s | vs fio | CPU µs/sample | stall ms | loop CPU ms | ok |"
+    lines = [head, "", cols, "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         if r["workload"] == "memory":
             continue
         vs = f"{r['vs_fio']:.2f}x" if "vs_fio" in r else ""
         cpu = f"{r['cpu_us_per_sample']:.1f}" if "cpu_us_per_sample" in r else ""
         stall = f"{r['stall_ms']:.2f}" if r.get("stall_ms") is not None else ""
+        work = f"{r['loop_cpu_ms']:.2f}" if r.get("loop_cpu_ms") is not None else ""
         mbs, sps = r.get("MB_s", 0), r.get("samples_s", 0)
         lines.append(
             f"| {r['workload']} | {r['tool']} | {mbs:,.0f} | {sps:,.0f} | "
-            f"{vs} | {cpu} | {stall} | {r.get('ok')} |"
+            f"{vs} | {cpu} | {stall} | {work} | {r.get('ok')} |"
         )
     by = {r["tool"]: r for r in rows if r["workload"] == "128k"}
     a, s = by.get("aionvme Loader async (uvloop)"), by.get("aionvme Loader sync for")
     if a and s:
         lines.append(f"\nsync for / async for (128k): {s['samples_s'] / a['samples_s']:.2f}x")
+    for r in rows:
+        if a and s and r["tool"].startswith("fio") and "QD 64" not in r["tool"]:
+            lines.append(
+                f"against {r['tool']}: async {a['MB_s'] / r['MB_s']:.2f}x, sync {s['MB_s'] / r['MB_s']:.2f}x"
+            )
     peers = [r for r in rows if r["workload"] == "128k" and not r["tool"].startswith(("aionvme", "fio"))]
     if a and peers:
         best = max(peers, key=lambda r: r["samples_s"])

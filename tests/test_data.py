@@ -759,3 +759,82 @@ async def test_taskgroup_failure_keeps_the_buffer_promise(ds_dir):
         rest += b["id"].tolist()
     assert got + rest == nvme.data.epoch_order(300, 4, 0, True).tolist()
     await loader.aclose()
+
+
+async def test_batch_memory_is_made_off_the_loop_and_reads_are_capped(ds_dir, monkeypatch):
+    """Batch memory is made (and its pages touched) on a worker thread, never on
+    the event loop's thread; at most ``read_ahead`` batches are read at once
+    (enough to fill the engine's bytes in flight), however large the budget."""
+    import threading
+
+    import aionvme.data._batch as batch_mod
+    import aionvme.data._loader as loader_mod
+
+    path, samples = ds_dir
+    makers: list[int] = []
+    real_empty = loader_mod.empty
+
+    def recording_empty(*a, **k):
+        makers.append(threading.get_ident())
+        return real_empty(*a, **k)
+
+    active = peak = 0
+    real_read = batch_mod.BatchPlan.read
+
+    async def counting_read(self, *a, **k):
+        nonlocal active, peak
+        active += 1
+        peak = max(peak, active)
+        try:
+            return await real_read(self, *a, **k)
+        finally:
+            active -= 1
+
+    monkeypatch.setattr(loader_mod, "empty", recording_empty)
+    monkeypatch.setattr(batch_mod.BatchPlan, "read", counting_read)
+    with nvme.defaults.set(inflight_bytes=1):  # one batch in flight fills it: two read at once
+        loader = Loader(path, batch_size=5, prefetch="64M")
+    st = loader.stats()
+    assert st["read_ahead"] == 2 and st["prefetch"] // st["slab_nbytes"] >= 60  # the budget holds every batch
+    seen = []
+    async for b in loader:
+        seen += check_batch(b, samples)
+    assert sorted(seen) == list(range(300))
+    assert len(makers) == loader.stats()["slabs"] > 0
+    await loader.aclose()
+    assert threading.get_ident() not in makers
+    assert peak == 2
+
+
+async def test_cancelled_while_batch_memory_is_made(ds_dir, monkeypatch):
+    """The pass is closed while a worker still makes a batch buffer: the buffer
+    joins the pool when it is done, none is lost, the next pass reads them all."""
+    import time
+
+    import aionvme.data._loader as loader_mod
+
+    path, samples = ds_dir
+    real_empty = loader_mod.empty
+
+    def slow_empty(*a, **k):
+        time.sleep(0.05)
+        return real_empty(*a, **k)
+
+    monkeypatch.setattr(loader_mod, "empty", slow_empty)
+    loader = Loader(path, batch_size=10, prefetch=2 * 10 * 4096 * 3 + 8192 * 10, keep=1)
+    assert loader.stats()["prefetch"] // loader.slab_nbytes == 2
+    got: list[int] = []
+    for _ in range(4):
+        it = aiter(loader)
+        t = asyncio.ensure_future(anext(it))
+        await asyncio.sleep(0.01)  # the first slab is being made
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        await it.aclose()
+    async with asyncio.timeout(60):
+        async for b in loader:
+            got += check_batch(b, samples)
+    assert got == list(range(300))
+    assert loader.stats()["slabs"] <= 2
+    await loader.aclose()

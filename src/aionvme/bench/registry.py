@@ -102,6 +102,10 @@ _LAZY: dict[str, tuple[str, str]] = {
         "aionvme.bench.peers:deepspeed_workload",
         "DeepSpeed's own aio_handle on the file (child process; -o op=read|write, -o grid=quick|full)",
     ),
+    "loader": (
+        "aionvme.bench.loader:loader_workload",
+        "aionvme.data.Loader: one shuffled epoch, fio randread alongside (-o sample=128K,batch=64,mode=sync)",
+    ),
 }
 
 
