@@ -13,6 +13,8 @@ import pytest
 
 import aionvme as nvme
 from aionvme._engine import Engine
+from aionvme._runtime import blocking as _blocking
+from aionvme._runtime import reactor as _reactor
 
 MiB = 1 << 20
 
@@ -36,18 +38,87 @@ def uring():
 
 
 def test_engine_modes():
-    for mode, backend, ring, direct in (
-        (0, "aio", False, False),
-        (1, "aio", True, False),
-        (2, "io_uring", True, True),
+    for mode, backend, ring, direct, lazy in (
+        (0, "aio", False, False, False),
+        (1, "aio", False, False, True),  # the ring comes with the first buffered file
+        (2, "io_uring", True, True, False),
     ):
         e = Engine(queue_depth=8, uring=mode)
         try:
-            assert (e.backend, e.use_uring, e.uring_direct) == (backend, ring, direct)
+            assert (e.backend, e.use_uring, e.uring_direct, e.uring_lazy) == (backend, ring, direct, lazy)
             s = e.stats()
-            assert s["backend"] == backend and s["use_uring"] is ring
+            assert s["backend"] == backend and s["use_uring"] is ring and s["uring_lazy"] is lazy
+            assert e.backlog is False
         finally:
             e.close()
+
+
+def test_auto_makes_the_ring_on_the_first_buffered_request(make_file):
+    path, data = make_file(MiB)
+
+    async def main():
+        eng = _reactor.get_reactor().engine
+        seen = [(eng.use_uring, eng.uring_lazy)]
+        out = np.zeros(MiB, np.uint8)
+        await nvme.pread(out, path)  # O_DIRECT: kernel AIO, no ring
+        seen.append((eng.use_uring, eng.uring_lazy))
+        back = np.zeros(MiB, np.uint8)
+        async with nvme.open(path, direct=False) as f:
+            await f.pread(back, 0)
+        seen.append((eng.use_uring, eng.uring_lazy))
+        return seen, eng.stats()["ring_submitted"], out, back
+
+    with nvme.defaults.set(engine="auto"):
+        seen, ring_submitted, out, back = asyncio.run(main())
+    assert seen == [(False, True), (False, True), (True, False)]
+    assert ring_submitted >= 1
+    assert np.array_equal(out, data) and np.array_equal(back, data)
+
+
+@pytest.mark.parametrize("mode", ["auto", "uring"])
+def test_refused_sqes_complete_without_another_request(mode, make_file):
+    # io_uring_enter answers EAGAIN (no memory for requests) more often than
+    # one flush retries: the SQEs stay queued and nothing is in flight, so no
+    # completion will wake the loop. The reactor must pump again by itself.
+    path, data = make_file(MiB)
+
+    async def main():
+        eng = _reactor.get_reactor().engine
+        bufs = [np.zeros(4096, np.uint8) for _ in range(16)]
+        async with nvme.open(path, direct=mode == "uring") as f:
+            await f.pread(bufs[0], 0)  # engine='auto' makes its ring here
+            before = eng.stats()
+            eng._uring_refuse(90)  # about ten flushes' worth of tries (early flushes take some)
+            reads = asyncio.gather(*(f.pread(b, i * 8192) for i, b in enumerate(bufs)))
+            await asyncio.sleep(0)
+            stuck = eng.backlog
+            try:
+                await asyncio.wait_for(asyncio.shield(reads), 10)
+            finally:
+                eng._uring_refuse(0)
+            after = eng.stats()
+        return bufs, stuck, before, after
+
+    with nvme.defaults.set(engine=mode):
+        bufs, stuck, before, after = asyncio.run(main())
+    assert stuck  # the first flush gave up with SQEs queued
+    assert after["eagain"] - before["eagain"] >= 90 and not after["backlog"]
+    assert after["ring_submitted"] - before["ring_submitted"] == 16
+    assert all(np.array_equal(b, data[i * 8192 : i * 8192 + 4096]) for i, b in enumerate(bufs))
+
+
+@pytest.mark.parametrize("engine", ["uring"], indirect=True)
+def test_refused_sqes_blocking_call(engine, make_file):
+    path, data = make_file(MiB)
+    eng = _blocking.thread_engine()
+    out = np.zeros(MiB, np.uint8)
+    with nvme.open(path) as f:
+        before = eng.stats()
+        eng._uring_refuse(40)
+        f.sync_pread(out, 0)
+        after = eng.stats()
+    assert after["eagain"] - before["eagain"] >= 40 and not after["backlog"]
+    assert np.array_equal(out, data)
 
 
 async def test_direct_round_trip_through_the_ring(uring, make_file, tmp_dir):

@@ -174,6 +174,7 @@ cdef struct RingCounters:
     int64_t n_submitted
     int64_t n_eagain
     int32_t ramp
+    int32_t refuse           # test hook: answer this many io_uring_enter calls with EAGAIN (Engine._uring_refuse)
 
 
 cdef class Inode:
@@ -231,6 +232,8 @@ cdef class Engine:
     cdef aionvme_uring *uring           # the io_uring instance (NULL: kernel AIO or workers)
     cdef readonly bint use_uring        # a ring exists: buffered files go through it
     cdef readonly bint uring_direct     # O_DIRECT chunks go through it too, not kernel AIO
+    cdef readonly bint uring_lazy       # engine='auto': the ring is made by the first buffered request
+    cdef readonly bint backlog          # SQEs the kernel refused for now (EAGAIN/EBUSY): pump again soon
     cdef RingCounters ringc
     cdef iocb **ringq                   # chunks ready for the ring, in order
     cdef int32_t n_ringq

@@ -98,9 +98,18 @@ cdef class Engine:
     uring : int
         0: no io_uring. 1: an io_uring instance beside kernel AIO, for files
         served buffered (a page-cache hit completes inside io_uring_enter
-        instead of on a worker). 2: every transfer through io_uring, no
-        kernel AIO. Where io_uring_setup fails, ``uring_error`` says why and
-        the engine works as with 0.
+        instead of on a worker), set up by the first read or write of such a
+        file (``uring_lazy`` until then). 2: every transfer through io_uring,
+        no kernel AIO, set up here. Where io_uring_setup fails,
+        ``uring_error`` says why and the engine works as with 0.
+
+    Notes
+    -----
+    ``backlog`` is true after a pump whose SQEs io_uring refused for now
+    (EAGAIN/EBUSY from io_uring_enter: no memory for requests, or the CQ
+    overflow list full). They stay queued in the ring; with nothing in
+    flight no completion will pump again, so the owner must call pump()
+    after a short delay (the reactor does; run() waits at most 1 ms).
     """
 
     def __cinit__(self, int queue_depth=128, int threads=8, bint use_aio=True, bint ring_reap=True,
@@ -143,9 +152,15 @@ cdef class Engine:
         self.nfree = queue_depth
         self.use_aio = False
         # uring: 0 none; 1 a ring for buffered files (page-cache hits complete
-        # in the submitting call, not on a worker); 2 every transfer through it.
-        if use_aio and uring > 0:
-            self._setup_uring(submit_ramp, uring >= 2)
+        # in the submitting call, not on a worker), made by the first request
+        # for one (_enqueue): most engines never see a buffered file, and the
+        # ring (an fd, three mmaps, a probe, an eventfd registration) cost
+        # 40-50 us of every construction; 2 every transfer through it.
+        self.ringc.ramp = submit_ramp if submit_ramp > 0 else 0
+        if use_aio and uring >= 2:
+            self._setup_uring(submit_ramp, True)
+        elif use_aio and uring == 1:
+            self.uring_lazy = True
         if use_aio and not self.uring_direct:
             self.ctx = 0
             with nogil:
@@ -172,6 +187,7 @@ cdef class Engine:
         failure the reason is kept in uring_error and nothing changes."""
         cdef int rc
         cdef aionvme_uring *u = <aionvme_uring *>calloc(1, sizeof(aionvme_uring))
+        self.uring_lazy = False
         self.cq_res = <int64_t *>calloc(self.queue_depth, sizeof(int64_t))
         self.cq_data = <uint64_t *>calloc(self.queue_depth, sizeof(uint64_t))
         self.ringq = <iocb **>calloc(self.queue_depth, sizeof(iocb *))
@@ -504,6 +520,8 @@ cdef class Engine:
                 self.n_ringq = k
             elif aionvme_uring_sq_pending(self.uring) > 0:
                 _uring_flush(self.uring, &self.ringc)
+            # Refused for now (see the class Notes): the owner pumps again soon.
+            self.backlog = self.n_ringq > 0 or aionvme_uring_sq_pending(self.uring) > 0
         if self.n_iocbs > 0:
             inline = (not self.iocb_writes and self.iocb_bytes <= self.inline_submit_max
                       and _submitter_idle(self.sub))
@@ -627,6 +645,12 @@ cdef class Engine:
     cdef int _enqueue(self, Request req) except -1:
         if self.closed or self.abandoned:
             raise _exc.EngineClosedError("the I/O engine is closed")
+        if (self.uring_lazy and (req.c.flags & RF_RING_OK) and not (req.c.flags & RF_GDS)
+                and (req.c.op == OP_READ or req.c.op == OP_WRITE)):
+            # The first transfer of a file io_uring may serve buffered: make
+            # the ring now. If io_uring_setup fails, uring_error says why and
+            # the workers serve buffered files, as with uring=0.
+            self._setup_uring(self.ringc.ramp, False)
         Py_INCREF(req)
         req.engine = self
         req.c.flags |= RF_QUEUED
@@ -749,7 +773,7 @@ cdef class Engine:
                     break
                 if not self.more:
                     with nogil:
-                        self._wait_efd(RUN_SIGNAL_CHECK_MS)
+                        self._wait_efd(1 if self.backlog else RUN_SIGNAL_CHECK_MS)
                     # A signal interrupts poll (EINTR) only in the thread it
                     # is delivered to, which may be a worker: the timeout
                     # bounds the delay in that case.
@@ -762,7 +786,7 @@ cdef class Engine:
                     self._generate()
                     self._submit()
                     if not (req.c.flags & RF_FINISHED) and not self.more:
-                        self._wait_efd(100)
+                        self._wait_efd(1 if self.backlog else 100)
             raise
         finally:
             if self.done_head != NULL:
@@ -771,6 +795,12 @@ cdef class Engine:
 
     def fileno(self):
         return self.efd
+
+    def _uring_refuse(self, int n):
+        """For tests: the next n io_uring_enter submissions answer EAGAIN, as
+        the kernel does when it cannot allocate requests (never seen on an idle
+        machine). The SQEs stay queued, as they would then."""
+        self.ringc.refuse = n if n > 0 else 0
 
     @property
     def backend(self):
@@ -814,7 +844,7 @@ cdef class Engine:
                     requests=self.n_requests, live_requests=self.n_live_requests,
                     inflight=self.queue_depth - self.nfree, bounce_buffers=self.n_bounce_buffers,
                     ring_reaps=self.n_ring_reaps, use_aio=self.use_aio, use_uring=self.use_uring,
-                    uring_direct=self.uring_direct,
+                    uring_direct=self.uring_direct, uring_lazy=self.uring_lazy, backlog=self.backlog,
                     backend=self.backend,
                     more=bool(self.more), submit_budget=self.submit_budget,
                     submit_ramp=sub.ramp if sub != NULL else rc.ramp,
@@ -853,7 +883,7 @@ cdef class Engine:
                 self._reap()
                 self._submit()
                 if self.nfree < self.queue_depth:
-                    self._wait_efd(100)
+                    self._wait_efd(1 if self.backlog else 100)
         out = self._collect()
         self._teardown()
         return out

@@ -40,21 +40,32 @@ cdef int32_t _uring_submit(aionvme_uring *u, RingCounters *s, iocb **cbs, int32_
     return n
 
 
+# io_uring_enter answers EAGAIN/EBUSY at most this many times in a row per
+# flush (100 us apart, so about 1 ms on the loop thread) before the flush
+# leaves the SQEs queued and the engine reports a backlog; its owner pumps
+# again after a short delay (the reactor with call_later, run() after 1 ms).
+cdef int URING_ENTER_TRIES = 8
+
+
 cdef void _uring_flush(aionvme_uring *u, RingCounters *s) noexcept nogil:
-    """Have the kernel consume every SQE filled so far."""
+    """Have the kernel consume every SQE filled so far (see URING_ENTER_TRIES)."""
     cdef int rc
     cdef int tries = 0
     cdef unsigned pending = aionvme_uring_sq_pending(u)
     cdef timespec pause
     while pending > 0:
-        rc = aionvme_uring_enter(u, pending)
+        if s.refuse > 0:
+            s.refuse -= 1
+            rc = -EAGAIN   # Engine._uring_refuse: as if the kernel had no memory for requests
+        else:
+            rc = aionvme_uring_enter(u, pending)
         s.n_calls += 1
         if rc > 0:
             pending = aionvme_uring_sq_pending(u)
             continue
         if rc == -EINTR:
             continue
-        if (rc == -EAGAIN or rc == -EBUSY) and tries < 100:
+        if (rc == -EAGAIN or rc == -EBUSY) and tries < URING_ENTER_TRIES:
             # No memory for requests, or the CQ overflow backlog is full: the
             # SQEs stay queued (never dropped); completions make room.
             s.n_eagain += 1
@@ -63,4 +74,6 @@ cdef void _uring_flush(aionvme_uring *u, RingCounters *s) noexcept nogil:
             pause.tv_nsec = 100000
             nanosleep(&pause, NULL)
             continue
-        return   # still queued in the ring: the next pump's flush retries
+        if rc == -EAGAIN or rc == -EBUSY:
+            s.n_eagain += 1
+        return   # still queued in the ring: the next pump's flush retries (Engine.backlog)

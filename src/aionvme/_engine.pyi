@@ -128,6 +128,8 @@ class Engine:
     aio_error: OSError | None
     use_uring: bool
     uring_direct: bool
+    uring_lazy: bool
+    backlog: bool
     uring_error: OSError | None
     efd: int
     queue_depth: int
@@ -199,6 +201,7 @@ class Engine:
     def wait(self, timeout: float = ...) -> None: ...
     def run(self, req: Request) -> Request: ...
     def fileno(self) -> int: ...
+    def _uring_refuse(self, n: int) -> None: ...
     @property
     def inflight(self) -> int: ...
     @property

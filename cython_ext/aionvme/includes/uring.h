@@ -18,7 +18,25 @@
  * - With IORING_FEAT_NODROP (5.5+) the kernel keeps CQEs that do not fit the
  *   CQ ring instead of dropping them.
  * - Submissions of more than two SQEs are plugged until the call returns,
- *   as with io_submit: the engine submits a batch in ramped calls. */
+ *   as with io_submit: the engine submits a batch in ramped calls.
+ *
+ * Not used, measured (bench/uring_registered.c: 4 KiB random reads at QD 64
+ * in C, the kernel side alone; 2-vCPU VM at load 7-8, so the least CPU of 5-6
+ * alternated runs per variant, in us per read):
+ * - Registered files (IORING_REGISTER_FILES, IOSQE_FIXED_FILE) and buffers
+ *   (IORING_REGISTER_BUFFERS, READ_FIXED): page-cache hits 1.13-1.54 plain,
+ *   1.19-1.46 files, 1.25-1.41 buffers, 1.16-1.25 both; O_DIRECT 2.90
+ *   plain, 2.99 files, 2.72 buffers, 2.59 both. At most ~0.3 us, within the
+ *   noise here, against ~8 us per read in aionvme's gather path. A cached
+ *   read's cost is the page-cache lookup and the copy, which fixed buffers do
+ *   not avoid; they skip pinning the user page, which only O_DIRECT pays, and
+ *   engine='auto' sends O_DIRECT to kernel AIO. Keeping a per-engine file
+ *   table in step with every fd (and the pools' buffers registered per
+ *   engine, with their lifetimes) is not worth 0-4% on this evidence.
+ * - SQ polling (IORING_SETUP_SQPOLL): O_DIRECT 12.8-20 us CPU per read (the
+ *   kernel's polling thread spins on one of the two vCPUs) and 0.5x the
+ *   IOPS; cached reads no better than plain. Worth trying only where a core
+ *   can be given to it. */
 #ifndef AIONVME_URING_H
 #define AIONVME_URING_H
 

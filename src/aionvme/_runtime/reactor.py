@@ -48,6 +48,10 @@ _owners: weakref.WeakKeyDictionary[Engine, int] = weakref.WeakKeyDictionary()  #
 # O_DIRECT through the ring was 0.93-0.99x kernel AIO (4 KiB random reads,
 # sequential reads), cached 4 KiB reads 2.0x the worker pool at a third of the CPU.
 _URING_MODE = {"uring": 2, "auto": 1}
+# Pump again this long after io_uring refused SQEs (Engine.backlog), doubling
+# up to _RETRY_MAX while it keeps refusing.
+_RETRY_FIRST = 0.001
+_RETRY_MAX = 0.1
 
 
 def new_engine(settings: defaults.Settings | None = None) -> Engine:
@@ -166,6 +170,8 @@ class Reactor:
         self._queued = 0
         self._early = (settings or defaults.settings).submit_batch or (1 << 62)
         self._held: list[Request] = []
+        self._retry: asyncio.TimerHandle | None = None
+        self._retry_delay = _RETRY_FIRST
         self._fd = self.engine.fileno()
         loop.add_reader(self._fd, self._pump)
 
@@ -205,6 +211,8 @@ class Reactor:
             self._held = []
         if eng.more:
             self._schedule()
+        if eng.backlog:
+            self._retry_later()
         if finished:
             self._deliver(finished)
 
@@ -222,6 +230,25 @@ class Reactor:
             # The submit budget stopped this pump: continue next iteration,
             # after the loop has run what else is ready.
             self._schedule()
+        if eng.backlog:
+            self._retry_later()
+
+    def _retry_later(self) -> None:
+        # io_uring refused SQEs for now (EAGAIN/EBUSY: no memory for requests):
+        # they wait in the ring, and with nothing in flight no completion
+        # wakes the loop, so pump again after a delay that doubles while the
+        # kernel keeps refusing (1 ms .. 100 ms): no busy spin on the loop.
+        if self._retry is None and not self.closed:
+            self._retry = self.loop.call_later(self._retry_delay, self._retry_pump)
+            self._retry_delay = min(self._retry_delay * 2, _RETRY_MAX)
+
+    def _retry_pump(self) -> None:
+        self._retry = None
+        if self.closed:
+            return
+        self._pump()
+        if not self.engine.backlog:
+            self._retry_delay = _RETRY_FIRST
 
     def _schedule(self) -> None:
         if not self._scheduled:
@@ -271,6 +298,9 @@ class Reactor:
         if self.closed:
             return
         self.closed = True
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
         if not self.loop.is_closed():
             with contextlib.suppress(RuntimeError, ValueError, OSError):
                 self.loop.remove_reader(self._fd)
