@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import os
 import warnings
@@ -31,6 +32,7 @@ from ._values import Meta, check_out, describe, flat_bytes, is_cuda, result_like
 __all__ = ["TieredStore"]
 
 BASENAME = "aionvme-store"
+COPY_SLICE = 4 << 20  # a large copy is split into slices of at least this many bytes, one per thread
 
 
 class Entry:
@@ -169,7 +171,10 @@ class TieredStore:
         self.paths = [os.path.abspath(os.fspath(p)) for p in paths]
         self.persist = bool(persist)
         self.timeout = timeout
-        self.copy_threshold = 8 << 20  # bigger copies run on a thread (the loop never stalls long)
+        self.copy_threshold = 8 << 20  # bigger copies run on threads (the loop never stalls long)
+        self.copy_threads = min(8, os.cpu_count() or 1)  # slices of a large copy run in parallel
+        self.copy_slice = COPY_SLICE
+        self._copy_pool: concurrent.futures.ThreadPoolExecutor | None = None
         factory = make_policy(policy)
         self.admission = make_admission(admit)
         self._closed = False
@@ -273,17 +278,59 @@ class TieredStore:
         return _Writers(self._klocks, keys)
 
     async def _copy(self, dst: Any, src: Any) -> None:
-        """dst[:] = src; large copies on a thread, awaited to the end even if cancelled."""
-        if len(dst) < self.copy_threshold or is_cuda(dst) or is_cuda(src):
+        """dst[:] = src; large copies in parallel slices on threads (numpy and
+        torch release the GIL), awaited to the end even if cancelled."""
+        n = len(dst)
+        if n < self.copy_threshold or is_cuda(dst) or is_cuda(src):
             _copy_into(dst, src)
             return
+        if self._copy_pool is None:
+            self._copy_pool = concurrent.futures.ThreadPoolExecutor(
+                self.copy_threads, thread_name_prefix="aionvme-store-copy"
+            )
         loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(None, _copy_into, dst, src)
+        k = max(1, min(self.copy_threads, n // self.copy_slice))
+        step = round_up(-(-n // k))
+        futs = [
+            loop.run_in_executor(self._copy_pool, _copy_into, dst[o : o + step], src[o : o + step])
+            for o in range(0, n, step)
+        ]
+        every = asyncio.gather(*futs, return_exceptions=True)
         try:
-            await asyncio.shield(fut)
+            results = await asyncio.shield(every)
         except asyncio.CancelledError:
-            await fut  # the thread still writes into dst: wait before anyone reuses it
+            await every  # the threads still write into dst: wait before anyone reuses it
             raise
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+
+    def _hit_now(self, e: Entry, out: Any) -> Any:
+        """A CPU get served from the host tier with no suspension point (so no
+        reference count, no task switch, no notify): the value, or None where
+        the general path must serve it (not in host memory, a copy large
+        enough for threads, a CUDA ``out``)."""
+        off = e.host
+        meta = e.meta
+        n = meta.nbytes
+        if off is None or n == 0 or n >= self.copy_threshold:
+            return None
+        h = self._host
+        src = h.arena[off : off + n]
+        if out is None:
+            # allocate and copy in one call (a torch value: torch's own memory, as torch.empty gives)
+            value = view_as(src, meta)
+            value = value.copy() if meta.kind == "numpy" else value.clone()
+        else:
+            if is_cuda(out):
+                return None
+            _copy_into(check_out(out, meta), src)
+            value = out
+        st = h.stats
+        st["hits"] += 1
+        st["bytes_out"] += n
+        h.touch(e)
+        return value
 
     # -- copies: release ----------------------------------------------------------------
 
@@ -784,6 +831,10 @@ class TieredStore:
         """
         self._enter()
         e = self._lookup(key)
+        if device == "cpu" and e.host is not None:
+            value = self._hit_now(e, out)
+            if value is not None:
+                return value
         return await self._get_entry(e, str(device), out, self._deadline(timeout))
 
     async def _get_entry(self, e: Entry, device: str, out: Any, deadline: float | None) -> Any:
@@ -1175,6 +1226,12 @@ class TieredStore:
             if self._journal is not None:
                 self._journal.close()
             self._nvme.close(remove=not self.persist)
+            self._stop_copy_pool()
+
+    def _stop_copy_pool(self) -> None:
+        pool, self._copy_pool = self._copy_pool, None
+        if pool is not None:
+            pool.shutdown(wait=False)  # idle: every copy was awaited
 
     def close_sync(self) -> None:
         """close() for code without a running loop (no prefetch may be in flight)."""
@@ -1188,6 +1245,7 @@ class TieredStore:
             if self._journal is not None:
                 self._journal.close()
             self._nvme.close(remove=not self.persist)
+            self._stop_copy_pool()
 
     @property
     def closed(self) -> bool:

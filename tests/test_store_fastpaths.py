@@ -1,0 +1,80 @@
+"""TieredStore: the host-hit fast path, parallel large copies and write-behind eviction."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from aionvme.store import TieredStore
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+
+async def test_host_hit_is_a_fresh_copy_with_dtype_shape_and_stats(tmp_path):
+    values = {
+        "f32": np.random.default_rng(1).standard_normal((33, 7)).astype(np.float32),
+        "i16": np.arange(5000, dtype=np.int16),
+        "scalar": np.array(2.5),
+        "t_bf16": torch.randn(17, 9).to(torch.bfloat16),
+        "t_i64": torch.arange(1000).reshape(10, 100),
+    }
+    async with TieredStore(tmp_path, host="1M") as s:
+        for k, v in values.items():
+            await s.put(k, v)
+        before = s.stats()["host"]
+        for k, v in values.items():
+            got = await s.get(k)
+            assert type(got) is type(v) and tuple(got.shape) == tuple(v.shape) and got.dtype == v.dtype
+            if isinstance(v, np.ndarray):
+                assert np.array_equal(got, v)
+                got[...] = 0  # the result is the caller's: the store keeps its bytes
+                assert np.array_equal(await s.get(k), v)
+            else:
+                assert torch.equal(got, v)
+                got.zero_()
+                assert torch.equal(await s.get(k), v)
+        after = s.stats()["host"]
+        assert after["hits"] - before["hits"] == 2 * len(values)
+        assert after["misses"] == before["misses"]
+        assert after["bytes_out"] - before["bytes_out"] == 2 * sum(
+            v.nbytes if isinstance(v, np.ndarray) else v.numel() * v.element_size() for v in values.values()
+        )
+        out = np.empty((33, 7), np.float32)
+        assert (await s.get("f32", out=out)) is out and np.array_equal(out, values["f32"])
+        tout = torch.empty(17, 9, dtype=torch.bfloat16)
+        assert (await s.get("t_bf16", out=tout)) is tout and torch.equal(tout, values["t_bf16"])
+
+
+async def test_host_hit_touches_the_policy(tmp_path):
+    # three 256 KiB values in a 768 KiB tier: reading "a" makes "b" the least recently used
+    vals = {k: np.full(256 * KiB, i, np.uint8) for i, k in enumerate("abc")}
+    async with TieredStore(tmp_path, host=768 * KiB) as s:
+        for k, v in vals.items():
+            await s.put(k, v)
+        assert np.array_equal(await s.get("a"), vals["a"])
+        await s.put("d", np.full(256 * KiB, 9, np.uint8))
+        assert s.where("b") == ["nvme"] and "host" in s.where("a")
+        for k, v in vals.items():
+            assert np.array_equal(await s.get(k), v)
+
+
+async def test_large_copies_run_in_parallel_slices(tmp_path):
+    n = MiB + 12  # not a multiple of the slice: the last slice is short
+    v = np.random.default_rng(2).integers(0, 256, n, dtype=np.uint8)
+    t = torch.randn(300_001)
+    async with TieredStore(tmp_path, host="8M") as s:
+        s.copy_threshold = 64 * KiB
+        s.copy_slice = 64 * KiB
+        s.copy_threads = 4
+        await s.put("v", v)  # copied in by the threads
+        await s.put("t", t)
+        assert s._copy_pool is not None
+        assert s.where("v") == ["host"] and s.where("t") == ["host"]
+        assert np.array_equal(await s.get("v"), v)
+        out = np.empty_like(v)
+        await s.get("v", out=out)
+        assert np.array_equal(out, v)
+        assert torch.equal(await s.get("t"), t)
+        pool = s._copy_pool
+    assert s._copy_pool is None and pool._shutdown
