@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import torch
 
@@ -78,3 +80,27 @@ async def test_large_copies_run_in_parallel_slices(tmp_path):
         assert torch.equal(await s.get("t"), t)
         pool = s._copy_pool
     assert s._copy_pool is None and pool._shutdown
+
+
+async def test_write_behind_keeps_several_batches_in_flight_and_every_put_evicts(tmp_path):
+    n = 256 * KiB
+    vals = [np.full(n, i, np.uint8) for i in range(48)]
+    async with TieredStore(tmp_path, host=16 * n) as s:
+        s.clean_batch = n  # one value per batch: a quarter of the tier is four batches
+        most = 0
+        for i, v in enumerate(vals):
+            await s.put(i, v)
+            most = max(most, len(s._cleaners))
+            assert s._clean_bytes <= 4 * n
+        assert most >= 2  # batches overlap (the device always has the next one queued)
+        while s._tasks:
+            await asyncio.gather(*list(s._tasks))
+        st = s.stats()
+        assert st["host"]["evictions"] >= len(vals) - 16
+        assert st["host"]["used"] <= st["host"]["capacity"]
+        assert s.errors == []
+        for i, v in enumerate(vals):  # what was evicted was written first: nothing lost
+            assert np.array_equal(await s.get(i), v)
+        # the written values went out cold-first, in allocation order: their extents follow each other
+        offs = sorted(s._index[i].disk[0][1] for i in range(8))
+        assert offs == [offs[0] + j * n for j in range(8)]

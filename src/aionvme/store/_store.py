@@ -183,7 +183,9 @@ class TieredStore:
         self._klocks: dict[Hashable, collections.deque[asyncio.Future[None]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._compact_lock: asyncio.Lock | None = None
-        self._cleaning: asyncio.Task[None] | None = None
+        self._cleaners: set[asyncio.Task[None]] = set()  # write-behind batches in flight
+        self._clean_bytes = 0  # bytes they write
+        self.clean_batch = 4 << 20  # bytes per write-behind batch (several in flight)
         self.errors: list[BaseException] = []  # failures of prefetches nobody awaited
         host_b = defaults.parse_size(host)
         gpu_b = _sizes(gpu)
@@ -415,14 +417,33 @@ class TieredStore:
                 got = tier.try_alloc(nbytes)  # type: ignore[attr-defined]
                 if got is not None:
                     return got
-                cleaner = self._cleaning
-                if tier is self._host and cleaner is not None and not cleaner.done():
-                    # the coldest values are being written already: wait for
-                    # them (then they drop at once) rather than evict hotter ones
-                    with contextlib.suppress(Exception):
-                        await asyncio.shield(cleaner)
-                    continue
                 short = nbytes - (tier.capacity - tier.used)
+                if tier is self._host and self._cleaners:
+                    # the coldest values are being written already: drop clean
+                    # ones if that makes room, else wait for a batch to end
+                    # (its values drop at once) rather than evict hotter ones
+                    clean: list[Entry] = []
+                    got_b = 0
+                    for cand in tier.policy.victims():  # in the policy's order
+                        c: Entry = cand  # type: ignore[assignment]
+                        if c not in tier.entries or c.moving:
+                            if c.moving:
+                                break  # being written: it goes first, once clean
+                            continue
+                        if not self._evictable(tier, c):
+                            continue  # held or loading
+                        if c.disk is None and c.gpu is None:
+                            break  # dirty: never evict a later victim before it
+                        clean.append(c)
+                        got_b += round_up(c.nbytes)
+                        if got_b >= short:
+                            break
+                    if clean and got_b >= short:
+                        for c in clean:
+                            self._drop_host(c)
+                    else:
+                        await asyncio.wait(set(self._cleaners), return_when=asyncio.FIRST_COMPLETED)
+                    continue
                 victims: list[Entry] = []
                 freed = 0
                 for cand in tier.policy.victims():
@@ -650,6 +671,7 @@ class TieredStore:
                         off = await self._make_room(self._host, e.nbytes, deadline, f"{k!r}")
                         e.host = off
                         e.refs += 1  # not evictable while being filled
+                        self._kick_cleaner()  # write colder values out while this one is copied in
                         try:
                             if is_cuda(src):
                                 _as_torch(self._host.view(off, e.nbytes)).copy_(src)
@@ -684,54 +706,72 @@ class TieredStore:
     # -- write-back cleaning ------------------------------------------------------------
 
     def _kick_cleaner(self) -> None:
-        """persist=False: when the host tier is three quarters full, write its
-        coldest values that have no NVMe copy yet (a quarter of the tier, one
-        batched write) in the background. They stay in memory, now clean, so
-        the put that needs room later drops them at once instead of waiting
-        for a write: evictions overlap with the puts that cause them."""
+        """persist=False write-behind: while the host tier is at least three
+        quarters full, write its coldest values that have no NVMe copy yet,
+        in batches of ``clean_batch`` bytes, up to a quarter of the tier in
+        flight (at least one value). They stay in memory, now clean, so the
+        put that needs room later drops them at once instead of waiting for a
+        write: evictions overlap with the puts (and copies) that cause them,
+        and the device always has the next batch queued. Each batch that ends
+        starts the next."""
         h = self._host
-        busy = self._cleaning is not None and not self._cleaning.done()
-        if self.persist or busy or self._closed or h.used * 4 < h.capacity * 3:
+        if self.persist or self._closed:
             return
-        task = asyncio.get_running_loop().create_task(self._clean())
-        self._cleaning = task
-        self._tasks.add(task)
-
-        def done(t: asyncio.Task[None]) -> None:
-            self._tasks.discard(t)
-            if self._cleaning is t:
-                self._cleaning = None
-            if not t.cancelled() and t.exception() is not None:
-                self.errors.append(t.exception())  # type: ignore[arg-type]
-                del self.errors[:-16]
-
-        task.add_done_callback(done)
-
-    async def _clean(self) -> None:
-        h = self._host
         budget = max(h.capacity // 4, 1)
-        dirty: list[Entry] = []
-        total = 0
-        for cand in h.policy.victims():
-            e: Entry = cand  # type: ignore[assignment]
-            if (
-                e in h.entries
-                and e.disk is None
-                and e.gpu is None
-                and e.host is not None
-                and e.refs == 0
-                and not e.moving
-                and e.loading is None
-            ):
-                dirty.append(e)
-                total += round_up(e.nbytes)
-                if total >= budget:
-                    break
-        if not dirty:
+        if h.used * 4 < h.capacity * 3 or self._clean_bytes >= budget:
             return
-        for e in dirty:
-            e.moving = True
-            e.refs += 1
+        cands: list[Entry] = list(h.policy.victims())  # type: ignore[arg-type]
+        dirty_now = [
+            e
+            for e in cands
+            if e in h.entries
+            and e.disk is None
+            and e.gpu is None
+            and e.host is not None
+            and e.refs == 0
+            and not e.moving
+            and e.loading is None
+        ]
+        i = 0
+        while i < len(dirty_now) and self._clean_bytes < budget:
+            room = min(budget - self._clean_bytes, self.clean_batch)
+            batch: list[Entry] = []
+            total = 0
+            while i < len(dirty_now):
+                n = round_up(dirty_now[i].nbytes)
+                if total + n > room and (batch or self._clean_bytes):
+                    break  # the next batch starts with it
+                batch.append(dirty_now[i])
+                total += n
+                i += 1
+                if total >= room:
+                    break
+            if not batch:
+                return
+            for e in batch:
+                e.moving = True
+                e.refs += 1
+            self._clean_bytes += total
+            task = asyncio.get_running_loop().create_task(self._clean(batch))
+            self._cleaners.add(task)
+            self._tasks.add(task)
+            task.add_done_callback(lambda t, total=total: self._cleaned(t, total))  # type: ignore[misc]
+
+    def _cleaned(self, t: asyncio.Task[None], nbytes: int) -> None:
+        self._tasks.discard(t)
+        self._cleaners.discard(t)
+        self._clean_bytes -= nbytes
+        if t.cancelled():
+            return
+        if t.exception() is not None:
+            self.errors.append(t.exception())  # type: ignore[arg-type]
+            del self.errors[:-16]
+            return  # no retry from here (a full disk would spin): the next put or eviction tries
+        self._kick_cleaner()
+
+    async def _clean(self, dirty: list[Entry]) -> None:
+        """Write one write-behind batch (its entries are marked moving and referenced)."""
+        h = self._host
         exts: list[Extents] = []
         try:
             for e in dirty:
