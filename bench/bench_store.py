@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 import aionvme as nvme
-from aionvme.bench import drop_caches, local_scratch_dir
+from aionvme.bench import drop_caches, local_scratch_dir, peers
 from aionvme.defaults import parse_size
 
 GB = 1e9
@@ -219,13 +219,16 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def deepspeed_swap(d: str, size: int, n: int) -> dict[str, Any]:
-    """AsyncTensorSwapper (swap out) + swap_in_tensors (swap in) on aionvme's drop-in,
-    in a child process (DeepSpeed needs a process group), then the same on the store."""
+def deepspeed_swap(d: str, size: int, n: int, build: bool = False) -> dict[str, Any]:
+    """AsyncTensorSwapper (swap out) + swap_in_tensors (swap in) in a child
+    process (DeepSpeed needs a process group), once on aionvme's drop-in and
+    once on DeepSpeed's own JIT-built ``async_io`` op (where it is built, or
+    ``build``: minutes), then the same on the store."""
     code = r"""
 import json, os, socket, sys, time, torch
 import aionvme.compat.deepspeed as compat
-compat.install()
+if sys.argv[4] == "dropin":
+    compat.install()
 import deepspeed, deepspeed.ops
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
@@ -236,7 +239,14 @@ from deepspeed.runtime.swap_tensor.async_swapper import AsyncTensorSwapper
 from deepspeed.runtime.swap_tensor.utils import swap_in_tensors
 d, size, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 numel = size // 4
-h = AsyncIOBuilder().load().aio_handle(1 << 20, 32, False, True, 1)
+b = AsyncIOBuilder()
+if sys.argv[4] == "own" and not b.is_compatible(verbose=False):
+    raise SystemExit("DeepSpeed's AsyncIOBuilder is not compatible here (libaio-dev missing?)")
+lib = b.load(verbose=False)
+op_file = getattr(lib, "__file__", "") or ""
+if sys.argv[4] == "own" and ("aionvme" in op_file or not op_file.endswith(".so")):
+    raise SystemExit(f"AsyncIOBuilder().load() gave {op_file!r}, not DeepSpeed's built op")
+h = lib.aio_handle(1 << 20, 32, False, True, 1)
 bufs = [h.new_cpu_locked_tensor(numel * 2, torch.empty(0, dtype=torch.float32)) for _ in range(2)]
 sw = AsyncTensorSwapper(h, numel_alignment=1024, timers=None)
 sw.add_buffers(bufs)
@@ -253,16 +263,28 @@ assert all(torch.equal(a, b) for a, b in zip(dst, ts))
 print(json.dumps({"out_GBps": n * size / out_s / 1e9, "in_GBps": n * size / in_s / 1e9}))
 """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    r = subprocess.run(
-        [sys.executable, "-c", code, d, str(size), str(n)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    if r.returncode != 0:
-        return {"error": (r.stderr.strip().splitlines() or ["?"])[-1]}
-    ds = json.loads(r.stdout.strip().splitlines()[-1])
+
+    def child(op: str) -> dict[str, float] | str:
+        try:
+            r = subprocess.run(
+                [sys.executable, "-c", code, d, str(size), str(n), op],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=1200,  # a first JIT build of the op takes minutes
+            )
+        except subprocess.TimeoutExpired:
+            return "timed out (the JIT build of DeepSpeed's op?)"
+        if r.returncode != 0:
+            return (r.stderr.strip().splitlines() or ["?"])[-1]
+        out: dict[str, float] = json.loads(r.stdout.strip().splitlines()[-1])
+        return out
+
+    ds = child("dropin")
+    if isinstance(ds, str):
+        return {"error": ds}
+    why = peers.deepspeed_unavailable(build=build)
+    own = child("own") if why is None else why
 
     async def store() -> dict[str, float]:
         import torch
@@ -282,16 +304,19 @@ print(json.dumps({"out_GBps": n * size / out_s / 1e9, "in_GBps": n * size / in_s
         return {"out_GBps": n * size / out_s / GB, "in_GBps": n * size / in_s / GB}
 
     ours = asyncio.run(store())
-    own_op = "not built (needs libaio-dev and DeepSpeed's JIT build of async_io)"
-    return {
+    res: dict[str, Any] = {
         "size": size,
         "n": n,
         "deepspeed_dropin": ds,
         "tieredstore": ours,
-        "deepspeed_own_op": own_op,
+        "deepspeed_own_op": own,
         "ratio_out": ours["out_GBps"] / ds["out_GBps"],
         "ratio_in": ours["in_GBps"] / ds["in_GBps"],
     }
+    if not isinstance(own, str):
+        res["ratio_out_own"] = ours["out_GBps"] / own["out_GBps"]
+        res["ratio_in_own"] = ours["in_GBps"] / own["in_GBps"]
+    return res
 
 
 def _fmt(x: float | None) -> str:
@@ -315,6 +340,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--passes", type=int, default=3, help="passes over the working set in the sweep")
     p.add_argument("--quick", action="store_true", help="small sizes: proves it runs, in seconds")
     p.add_argument("--no-deepspeed", action="store_true")
+    p.add_argument(
+        "--ds-build",
+        action="store_true",
+        help="JIT-build DeepSpeed's async_io op if it is not built (minutes)",
+    )
     p.add_argument("--plot", help="PNG of the sweep (needs matplotlib)")
     p.add_argument("--json", help="write all results here")
     a = p.parse_args(argv)
@@ -353,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plot: {a.plot}")
         if not a.no_deepspeed:
             n = 8 if a.quick else 32
-            res["deepspeed"] = deepspeed_swap(base, max(sizes), n)
+            res["deepspeed"] = deepspeed_swap(base, max(sizes), n, a.ds_build)
             r = res["deepspeed"]
             if "error" in r:
                 print(f"deepspeed: {r['error']}")
@@ -365,7 +395,15 @@ def main(argv: list[str] | None = None) -> int:
                     f"  TieredStore  {ts['out_GBps']:.2f} / {ts['in_GBps']:.2f}"
                     f"  (x{r['ratio_out']:.2f} / x{r['ratio_in']:.2f})"
                 )
-                print(f"  DeepSpeed's own op: {r['deepspeed_own_op']}")
+                own = r["deepspeed_own_op"]
+                if isinstance(own, str):
+                    print(f"  AsyncTensorSwapper on DeepSpeed's own op: not run ({own})")
+                else:
+                    print(
+                        f"  AsyncTensorSwapper on DeepSpeed's own op  {own['out_GBps']:.2f} / "
+                        f"{own['in_GBps']:.2f}  (TieredStore x{r['ratio_out_own']:.2f}"
+                        f" / x{r['ratio_in_own']:.2f})"
+                    )
     finally:
         shutil.rmtree(base, ignore_errors=True)
     if a.json:
