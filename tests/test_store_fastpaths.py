@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import numpy as np
 import torch
@@ -104,3 +105,20 @@ async def test_write_behind_keeps_several_batches_in_flight_and_every_put_evicts
         # the written values went out cold-first, in allocation order: their extents follow each other
         offs = sorted(s._index[i].disk[0][1] for i in range(8))
         assert offs == [offs[0] + j * n for j in range(8)]
+
+
+async def test_bench_store_workload_reports_put_get_and_hit_figures(tmp_path):
+    from aionvme.bench import Context, run
+
+    r = await run(
+        "store",
+        Context(workdir=str(tmp_path), size=8 * MiB, options={"value": "1M", "host": "4", "cold": "0"}),
+    )
+    assert r.workload == "store" and r.verified and r.skipped is None
+    assert r.nbytes == 8 * MiB and r.ops == 8 and r.wall_s > 0
+    f = r.figures
+    assert f["evictions"] >= 8  # every steady-state put evicted one value
+    for k in ("put_GBps", "nvme_get_GBps", "host_hit_GBps", "memcpy_GBps", "host_hit_vs_memcpy", "get_4k_us"):
+        assert f[k] > 0, k
+    assert f["host_hit_ratio"] == 1.0
+    assert os.listdir(tmp_path) == []  # scratch stores leave nothing behind

@@ -102,6 +102,7 @@ _LAZY: dict[str, tuple[str, str]] = {
         "aionvme.bench.peers:deepspeed_workload",
         "DeepSpeed's own aio_handle on the file (child process; -o op=read|write, -o grid=quick|full)",
     ),
+    "store": ("aionvme.bench.tiered:store_workload", "TieredStore put/get/host-hit (-o value=4M -o host=16)"),
 }
 
 
