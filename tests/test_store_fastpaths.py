@@ -122,3 +122,26 @@ async def test_bench_store_workload_reports_put_get_and_hit_figures(tmp_path):
         assert f[k] > 0, k
     assert f["host_hit_ratio"] == 1.0
     assert os.listdir(tmp_path) == []  # scratch stores leave nothing behind
+
+
+async def test_get_many_of_cold_values_reads_in_one_batch_and_promotes_the_last_that_fit(tmp_path):
+    n = 256 * KiB
+    vals = {i: np.full(n, i, np.uint8) for i in range(10)}
+    async with TieredStore(tmp_path, host=3 * n) as s:
+        await s.put_many(vals)
+        for i in vals:
+            await s.evict(i)
+        assert all(s.where(i) == ["nvme"] for i in vals)
+        reads = s.stats()["nvme"]["bytes_out"]
+        got = await s.get_many(list(vals))
+        assert all(np.array_equal(g, v) for g, v in zip(got, vals.values()))
+        st = s.stats()
+        assert st["nvme"]["bytes_out"] - reads == 10 * n  # every value read once, straight into its result
+        assert st["host"]["misses"] >= 10
+        assert [i for i in vals if "host" in s.where(i)] == [7, 8, 9]  # the last ones that fit
+        got[9][:] = 0  # results never alias the store's memory
+        assert np.array_equal(await s.get(9), vals[9])
+        # a batch that fits is promoted whole; hits are then served from memory
+        small = await s.get_many([0, 1])
+        assert all(np.array_equal(g, vals[i]) for i, g in enumerate(small))
+        assert "host" in s.where(0) and "host" in s.where(1)

@@ -963,6 +963,27 @@ class TieredStore:
             raise StoreKeyError(e.key)
         return await self._get_entry(cur, device, out, deadline)
 
+    async def _promote_from(self, e: Entry, raw: Any) -> None:
+        """Copy a value just read from NVMe (``raw``, its bytes) into the host
+        tier, if room can be made without waiting."""
+        if e.host is not None or e.loading is not None or e.dead:
+            return
+        try:
+            off = await self._make_room(self._host, e.nbytes, None, f"{e.key!r}", wait=False)
+        except (StoreFullError, StoreTimeoutError):
+            return  # no room now (or no disk room to evict to): the value stays on NVMe
+        try:
+            if e.host is not None or e.dead:
+                return
+            await self._copy(self._host.view(off, e.nbytes), raw[: e.nbytes])
+            if e.host is not None or e.dead:
+                return
+            e.host, off = off, -1
+            self._host.add(e)
+        finally:
+            if off >= 0:
+                self._host.free(off, e.nbytes)
+
     async def _await_load(self, task: asyncio.Task[None]) -> bool:
         """Wait for a load; False if it found no room (the caller reads directly instead)."""
         try:
@@ -982,6 +1003,7 @@ class TieredStore:
         out: list[Any] = [None] * len(ks)
         cold: list[tuple[int, Entry, Any, Any]] = []
         warm: list[int] = []
+        admitted: list[tuple[Entry, Any]] = []
         for i, e in enumerate(entries):
             if (
                 str(device) == "cpu"
@@ -989,10 +1011,13 @@ class TieredStore:
                 and e.loading is None
                 and e.gpu is None
                 and e.disk is not None
-                and not (0 < e.nbytes <= self._host.capacity and self.admission.admit(e.key, e.nbytes))
             ):
+                # only on NVMe: read straight into the result with the others
+                # (one batched request per slab), promote afterwards
                 value, raw = result_like(e.meta, "cpu", aligned=True, nbytes=round_up(e.nbytes))
                 cold.append((i, e, value, raw))
+                if 0 < e.nbytes <= self._host.capacity and self.admission.admit(e.key, e.nbytes):
+                    admitted.append((e, raw))
             else:
                 warm.append(i)
         for _, e, _, _ in cold:
@@ -1007,6 +1032,17 @@ class TieredStore:
             out[i] = value
         self._host.stats["misses"] += len(cold)
         self._nvme.stats["hits"] += len(cold)
+        # promotion: a batch larger than the host tier promotes only its last
+        # values that fit (the earlier ones would only evict each other)
+        room = self._host.capacity
+        keep = 0
+        for e, _raw in reversed(admitted):
+            if round_up(e.nbytes) > room:
+                break
+            room -= round_up(e.nbytes)
+            keep += 1
+        for e, raw in admitted[len(admitted) - keep :]:
+            await self._promote_from(e, raw)
         if warm:
             got = await asyncio.gather(
                 *(self._get_entry(entries[i], str(device), None, deadline) for i in warm)
