@@ -138,6 +138,18 @@ class TieredStore:
     (write-back); with ``persist=True`` before ``put`` returns (write-through),
     so evicting from host memory never writes again.
 
+    Write-behind (``persist=False``): once the host tier is three quarters
+    full, its coldest values without an NVMe copy are written in the
+    background, in batches of ``clean_batch`` bytes (4 MiB) with up to a
+    quarter of the tier in flight, starting as soon as a put reserves its
+    room; they stay in memory, clean, so a put that needs room drops one at
+    once instead of waiting for its write.
+
+    Copies: a get served by the host tier copies on the event loop's thread
+    below ``copy_threshold`` bytes (8 MiB) and returns without suspending;
+    larger copies (in and out) run as up to ``copy_threads`` parallel slices
+    on the store's own threads.
+
     Ownership: ``get`` returns a new array or tensor the caller owns (a copy
     from a memory tier, or read straight from NVMe into fresh page-aligned
     memory). ``hold`` lends a view of the store's own memory, valid and
@@ -995,7 +1007,14 @@ class TieredStore:
     async def get_many(
         self, keys: Iterable[Hashable], device: str = "cpu", *, timeout: float | None = None
     ) -> list[Any]:
-        """get of each key, in order; values only on NVMe are read in one request per slab."""
+        """get of each key, in order.
+
+        Values only on NVMe are read straight into their results, all in one
+        request per slab; then, where the admission policy agrees, the last
+        of them that fit in the host tier are copied into it (promotion that
+        never waits for room: a batch larger than the tier does not evict its
+        own values one by one).
+        """
         self._enter()
         ks = list(keys)
         entries = [self._lookup(k) for k in ks]
