@@ -20,7 +20,8 @@ Workloads (each figure in GB/s, 1 GB = 1e9 bytes):
               (with the swap_in_tensors helper) on aionvme's drop-in op and on
               DeepSpeed's own JIT-built async_io op (each in a child process;
               the own op where it is built, or with --ds-build), vs
-              TieredStore put_many + evict / get_many
+              TieredStore put_many + evict / get_many(out=) into preallocated
+              tensors (swap_in_tensors also fills tensors allocated beforehand)
 
     python3 bench/bench_store.py --quick                    # small sizes: proves it runs
     python3 bench/bench_store.py --dir /nvme --sizes 1M,4M,16M,64M --total 2G --plot sweep.png --json out.json
@@ -311,8 +312,9 @@ print(json.dumps({"out_GBps": n * size / out_s / 1e9, "in_GBps": n * size / in_s
             for i in range(n):
                 await s.evict(i)
             out_s = time.perf_counter() - t0
+            got = [torch.empty(size // 4) for _ in range(n)]  # as DeepSpeed's swap-in is given them
             t0 = time.perf_counter()
-            got = await s.get_many(range(n))
+            await s.get_many(range(n), out=got)
             in_s = time.perf_counter() - t0
             if not all(torch.equal(got[i], ts[i]) for i in range(n)):
                 raise SystemExit("deepspeed workload: wrong bytes")

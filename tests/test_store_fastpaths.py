@@ -6,9 +6,10 @@ import asyncio
 import os
 
 import numpy as np
+import pytest
 import torch
 
-from aionvme.store import TieredStore
+from aionvme.store import SyncTieredStore, TieredStore
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -145,3 +146,27 @@ async def test_get_many_of_cold_values_reads_in_one_batch_and_promotes_the_last_
         small = await s.get_many([0, 1])
         assert all(np.array_equal(g, vals[i]) for i, g in enumerate(small))
         assert "host" in s.where(0) and "host" in s.where(1)
+
+
+async def test_get_many_into_out_buffers_cold_warm_and_errors(tmp_path):
+    vals = {i: torch.full((50_000 + i,), float(i)) for i in range(6)}
+    async with TieredStore(tmp_path, host="1M") as s:
+        await s.put_many(vals)
+        for i in range(3):
+            await s.evict(i)  # 0-2 only on NVMe, 3-5 in memory
+        outs = [torch.empty(50_000 + i) for i in range(6)]
+        got = await s.get_many(range(6), out=outs)
+        assert all(g is o for g, o in zip(got, outs))
+        assert all(torch.equal(outs[i], vals[i]) for i in range(6))
+        with pytest.raises(ValueError):
+            await s.get_many([0, 1], out=outs[:1])
+        with pytest.raises(ValueError):
+            await s.get_many([0], out=[torch.empty(3)])
+
+
+def test_sync_get_many_into_out(tmp_path):
+    with SyncTieredStore(tmp_path, host="1M") as s:
+        s.put("a", np.arange(1000))
+        s.evict("a")
+        buf = np.empty(1000, np.int64)
+        assert s.get_many(["a"], out=[buf])[0] is buf and np.array_equal(buf, np.arange(1000))

@@ -1005,9 +1005,15 @@ class TieredStore:
         return True
 
     async def get_many(
-        self, keys: Iterable[Hashable], device: str = "cpu", *, timeout: float | None = None
+        self,
+        keys: Iterable[Hashable],
+        device: str = "cpu",
+        *,
+        out: Sequence[Any] | None = None,
+        timeout: float | None = None,
     ) -> list[Any]:
-        """get of each key, in order.
+        """get of each key, in order (``out``: fill these arrays or tensors,
+        one per key, as ``get(out=)`` does, and return them).
 
         Values only on NVMe are read straight into their results, all in one
         request per slab; then, where the admission policy agrees, the last
@@ -1019,13 +1025,23 @@ class TieredStore:
         ks = list(keys)
         entries = [self._lookup(k) for k in ks]
         deadline = self._deadline(timeout)
-        out: list[Any] = [None] * len(ks)
+        dests: list[Any] = [None] * len(ks)
+        if out is not None:
+            dests = list(out)
+            if len(dests) != len(ks):
+                raise ValueError(f"out has {len(dests)} buffers for {len(ks)} keys")
+            for d, e in zip(dests, entries):
+                check_out(d, e.meta)
+        res: list[Any] = [None] * len(ks)
         cold: list[tuple[int, Entry, Any, Any]] = []
         warm: list[int] = []
         admitted: list[tuple[Entry, Any]] = []
         for i, e in enumerate(entries):
+            d = dests[i]
             if (
                 str(device) == "cpu"
+                and (d is None or not is_cuda(d))
+                and e.nbytes > 0
                 and e.host is None
                 and e.loading is None
                 and e.gpu is None
@@ -1033,7 +1049,10 @@ class TieredStore:
             ):
                 # only on NVMe: read straight into the result with the others
                 # (one batched request per slab), promote afterwards
-                value, raw = result_like(e.meta, "cpu", aligned=True, nbytes=round_up(e.nbytes))
+                if d is None:
+                    value, raw = result_like(e.meta, "cpu", aligned=True, nbytes=round_up(e.nbytes))
+                else:
+                    value, raw = d, check_out(d, e.meta)
                 cold.append((i, e, value, raw))
                 if 0 < e.nbytes <= self._host.capacity and self.admission.admit(e.key, e.nbytes):
                     admitted.append((e, raw))
@@ -1048,7 +1067,7 @@ class TieredStore:
             for _, e, _, _ in cold:
                 self._unref_disk(e)
         for i, _, value, _ in cold:
-            out[i] = value
+            res[i] = value
         self._host.stats["misses"] += len(cold)
         self._nvme.stats["hits"] += len(cold)
         # promotion: a batch larger than the host tier promotes only its last
@@ -1064,11 +1083,11 @@ class TieredStore:
             await self._promote_from(e, raw)
         if warm:
             got = await asyncio.gather(
-                *(self._get_entry(entries[i], str(device), None, deadline) for i in warm)
+                *(self._get_entry(entries[i], str(device), dests[i], deadline) for i in warm)
             )
             for i, v in zip(warm, got):
-                out[i] = v
-        return out
+                res[i] = v
+        return res
 
     # -- prefetch / hold / evict / delete --------------------------------------------------
 
