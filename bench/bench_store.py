@@ -93,8 +93,9 @@ async def nvme_get(d: str, size: int, total: int, drop: bool) -> dict[str, Any]:
 
 
 async def put_evict(d: str, size: int, total: int, host_values: int = 2) -> dict[str, Any]:
-    """Puts into a host tier of ``host_values`` values: once it is full, every put evicts one."""
-    n = max(4, total // size)
+    """Puts into a host tier of ``host_values`` values: once it is full, every put evicts one.
+    At least twice the tier's values are put, so the write-behind reaches its steady state."""
+    n = max(4, total // size, 2 * host_values)
     vals = _values(min(n, 8), size)
     async with nvme.TieredStore(d, host=host_values * size + 4096) as s:
         for i in range(host_values + 2):  # warm-up: the tier fills, the slab grows
