@@ -6,18 +6,23 @@ Workloads (each figure in GB/s, 1 GB = 1e9 bytes):
   nvme-get    get of S-byte tensors that are only in the NVMe tier (host=0),
               one at a time, page cache dropped first; vs fio sequential read
               with bs=S, O_DIRECT, libaio, iodepth 1 (the same request stream)
-  put-evict   put into a host tier of two values, so every put evicts one to
-              NVMe (steady state); vs fio sequential write bs=S, iodepth 1
+  put-evict   put into a host tier of two (and of sixteen) values, so every put
+              evicts one to NVMe (steady state); the slower of the put rate and
+              the rate bytes reached NVMe meanwhile (write-behind may owe some
+              at the end); vs fio sequential write bs=S, iodepth 1
   host-hit    get of values resident in the host tier: a fresh result per call
               and into a preallocated ``out=``; vs memcpy (np.copyto) into a
-              fresh and a preallocated array; per-call overhead in µs for 4 KiB
+              fresh and a preallocated array, alternated in the same run, best
+              of 3; per-call time in µs of a 4 KiB get
   sweep       a working set of 0.5x..4x the host tier, read in layer order
               (a cyclic scan, as layer-streamed inference does), with and
               without ``prefetch`` of the next key: hit ratio and GB/s, plotted
   deepspeed   swap-out then swap-in of N tensors: DeepSpeed's AsyncTensorSwapper
-              (with the swap_in_tensors helper) on aionvme's drop-in op, vs
-              TieredStore put_many + evict / get_many; DeepSpeed's own op when
-              it is built (it needs libaio-dev and a JIT build)
+              (with the swap_in_tensors helper) on aionvme's drop-in op and on
+              DeepSpeed's own JIT-built async_io op (each in a child process;
+              the own op where it is built, or with --ds-build), vs
+              TieredStore put_many + evict / get_many(out=) into preallocated
+              tensors (swap_in_tensors also fills tensors allocated beforehand)
 
     python3 bench/bench_store.py --quick                    # small sizes: proves it runs
     python3 bench/bench_store.py --dir /nvme --sizes 1M,4M,16M,64M --total 2G --plot sweep.png --json out.json
@@ -40,7 +45,7 @@ from typing import Any
 import numpy as np
 
 import aionvme as nvme
-from aionvme.bench import drop_caches, local_scratch_dir
+from aionvme.bench import drop_caches, local_scratch_dir, peers
 from aionvme.defaults import parse_size
 
 GB = 1e9
@@ -87,18 +92,25 @@ async def nvme_get(d: str, size: int, total: int, drop: bool) -> dict[str, Any]:
     return {"size": size, "n": n, "store_GBps": store, "fio_GBps": ref, "ratio": store / ref if ref else None}
 
 
-async def put_evict(d: str, size: int, total: int) -> dict[str, Any]:
-    n = max(4, total // size)
+async def put_evict(d: str, size: int, total: int, host_values: int = 2) -> dict[str, Any]:
+    """Puts into a host tier of ``host_values`` values: once it is full, every put evicts one.
+    At least twice the tier's values are put, so the write-behind reaches its steady state."""
+    n = max(4, total // size, 2 * host_values)
     vals = _values(min(n, 8), size)
-    async with nvme.TieredStore(d, host=2 * size + 4096) as s:
-        for i in range(4):  # warm-up: the tier fills, the slab grows
+    async with nvme.TieredStore(d, host=host_values * size + 4096) as s:
+        for i in range(host_values + 2):  # warm-up: the tier fills, the slab grows
             await s.put(("w", i), vals[i % len(vals)])
+        st0 = s.stats()
         t0 = time.perf_counter()
         for i in range(n):
             await s.put(i, vals[i % len(vals)])
         dt = time.perf_counter() - t0
-        ev = s.stats()["host"]["evictions"]
-        store = n * size / dt / GB
+        st = s.stats()
+        ev = st["host"]["evictions"] - st0["host"]["evictions"]
+        written = st["nvme"]["bytes_in"] - st0["nvme"]["bytes_in"]
+        # write-behind may still owe some writes when the last put returns:
+        # count the slower of the put rate and the rate bytes reached NVMe
+        store = min(n * size, written) / dt / GB
         path = os.path.join(d, "fio-write.bin")
         ref = fio(path, "write", size, n * size)
         with contextlib.suppress(FileNotFoundError):
@@ -106,59 +118,71 @@ async def put_evict(d: str, size: int, total: int) -> dict[str, Any]:
     return {
         "size": size,
         "n": n,
+        "host_values": host_values,
         "evictions": ev,
+        "put_GBps": n * size / dt / GB,
+        "nvme_written_GBps": written / dt / GB,
         "store_GBps": store,
         "fio_GBps": ref,
         "ratio": store / ref if ref else None,
     }
 
 
-async def host_hit(d: str, size: int, reps: int) -> dict[str, Any]:
+async def host_hit(d: str, size: int, reps: int, rounds: int = 3) -> dict[str, Any]:
+    """Gets of a host-resident value against np.copyto of the same size,
+    alternated ``rounds`` times in the same run, best of each."""
     v = _values(1, size)[0]
+    best: dict[str, float] = {}
+
+    def keep(name: str, seconds: float) -> None:
+        best[name] = min(best.get(name, float("inf")), seconds)
+
     async with nvme.TieredStore(d, host=4 * size + (1 << 20)) as s:
         await s.put("v", v)
         await s.put("small", np.zeros(4096, np.uint8))
         out = np.empty_like(v)
-        await s.get("v")
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            await s.get("v")
-        fresh = reps * size / (time.perf_counter() - t0) / GB
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            await s.get("v", out=out)
-        into = reps * size / (time.perf_counter() - t0) / GB
         small_out = np.empty(4096, np.uint8)
+        await s.get("v")
         k = 2000
-        t0 = time.perf_counter()
-        for _ in range(k):
-            await s.get("small", out=small_out)
-        us_out = (time.perf_counter() - t0) / k * 1e6
-        t0 = time.perf_counter()
-        for _ in range(k):
-            await s.get("small")
-        us_fresh = (time.perf_counter() - t0) / k * 1e6
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                await s.get("v")
+            keep("fresh", time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                dst = np.empty_like(v)
+                np.copyto(dst, v)
+            keep("memcpy_fresh", time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                await s.get("v", out=out)
+            keep("into", time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                np.copyto(out, v)
+            keep("memcpy", time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for _ in range(k):
+                await s.get("small", out=small_out)
+            keep("small_out", time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for _ in range(k):
+                await s.get("small")
+            keep("small_fresh", time.perf_counter() - t0)
         if not np.array_equal(out, v):
             raise SystemExit("host-hit: wrong bytes")
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        dst = np.empty_like(v)
-        np.copyto(dst, v)
-    memcpy_fresh = reps * size / (time.perf_counter() - t0) / GB
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        np.copyto(out, v)
-    memcpy = reps * size / (time.perf_counter() - t0) / GB
+    gbps = {name: reps * size / t / GB for name, t in best.items() if not name.startswith("small")}
     return {
         "size": size,
-        "get_GBps": fresh,
-        "get_out_GBps": into,
-        "memcpy_fresh_GBps": memcpy_fresh,
-        "memcpy_GBps": memcpy,
-        "ratio_fresh": fresh / memcpy_fresh,
-        "ratio_out": into / memcpy,
-        "us_per_call_4K_out": us_out,
-        "us_per_call_4K_fresh": us_fresh,
+        "get_GBps": gbps["fresh"],
+        "get_out_GBps": gbps["into"],
+        "memcpy_fresh_GBps": gbps["memcpy_fresh"],
+        "memcpy_GBps": gbps["memcpy"],
+        "ratio_fresh": gbps["fresh"] / gbps["memcpy_fresh"],
+        "ratio_out": gbps["into"] / gbps["memcpy"],
+        "us_per_call_4K_out": best["small_out"] / k * 1e6,
+        "us_per_call_4K_fresh": best["small_fresh"] / k * 1e6,
     }
 
 
@@ -219,13 +243,16 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def deepspeed_swap(d: str, size: int, n: int) -> dict[str, Any]:
-    """AsyncTensorSwapper (swap out) + swap_in_tensors (swap in) on aionvme's drop-in,
-    in a child process (DeepSpeed needs a process group), then the same on the store."""
+def deepspeed_swap(d: str, size: int, n: int, build: bool = False) -> dict[str, Any]:
+    """AsyncTensorSwapper (swap out) + swap_in_tensors (swap in) in a child
+    process (DeepSpeed needs a process group), once on aionvme's drop-in and
+    once on DeepSpeed's own JIT-built ``async_io`` op (where it is built, or
+    ``build``: minutes), then the same on the store."""
     code = r"""
 import json, os, socket, sys, time, torch
 import aionvme.compat.deepspeed as compat
-compat.install()
+if sys.argv[4] == "dropin":
+    compat.install()
 import deepspeed, deepspeed.ops
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
@@ -236,7 +263,14 @@ from deepspeed.runtime.swap_tensor.async_swapper import AsyncTensorSwapper
 from deepspeed.runtime.swap_tensor.utils import swap_in_tensors
 d, size, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 numel = size // 4
-h = AsyncIOBuilder().load().aio_handle(1 << 20, 32, False, True, 1)
+b = AsyncIOBuilder()
+if sys.argv[4] == "own" and not b.is_compatible(verbose=False):
+    raise SystemExit("DeepSpeed's AsyncIOBuilder is not compatible here (libaio-dev missing?)")
+lib = b.load(verbose=False)
+op_file = getattr(lib, "__file__", "") or ""
+if sys.argv[4] == "own" and ("aionvme" in op_file or not op_file.endswith(".so")):
+    raise SystemExit(f"AsyncIOBuilder().load() gave {op_file!r}, not DeepSpeed's built op")
+h = lib.aio_handle(1 << 20, 32, False, True, 1)
 bufs = [h.new_cpu_locked_tensor(numel * 2, torch.empty(0, dtype=torch.float32)) for _ in range(2)]
 sw = AsyncTensorSwapper(h, numel_alignment=1024, timers=None)
 sw.add_buffers(bufs)
@@ -253,16 +287,28 @@ assert all(torch.equal(a, b) for a, b in zip(dst, ts))
 print(json.dumps({"out_GBps": n * size / out_s / 1e9, "in_GBps": n * size / in_s / 1e9}))
 """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    r = subprocess.run(
-        [sys.executable, "-c", code, d, str(size), str(n)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    if r.returncode != 0:
-        return {"error": (r.stderr.strip().splitlines() or ["?"])[-1]}
-    ds = json.loads(r.stdout.strip().splitlines()[-1])
+
+    def child(op: str) -> dict[str, float] | str:
+        try:
+            r = subprocess.run(
+                [sys.executable, "-c", code, d, str(size), str(n), op],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=1200,  # a first JIT build of the op takes minutes
+            )
+        except subprocess.TimeoutExpired:
+            return "timed out (the JIT build of DeepSpeed's op?)"
+        if r.returncode != 0:
+            return (r.stderr.strip().splitlines() or ["?"])[-1]
+        out: dict[str, float] = json.loads(r.stdout.strip().splitlines()[-1])
+        return out
+
+    ds = child("dropin")
+    if isinstance(ds, str):
+        return {"error": ds}
+    why = peers.deepspeed_unavailable(build=build)
+    own = child("own") if why is None else why
 
     async def store() -> dict[str, float]:
         import torch
@@ -274,24 +320,28 @@ print(json.dumps({"out_GBps": n * size / out_s / 1e9, "in_GBps": n * size / in_s
             for i in range(n):
                 await s.evict(i)
             out_s = time.perf_counter() - t0
+            got = [torch.empty(size // 4) for _ in range(n)]  # as DeepSpeed's swap-in is given them
             t0 = time.perf_counter()
-            got = await s.get_many(range(n))
+            await s.get_many(range(n), out=got)
             in_s = time.perf_counter() - t0
             if not all(torch.equal(got[i], ts[i]) for i in range(n)):
                 raise SystemExit("deepspeed workload: wrong bytes")
         return {"out_GBps": n * size / out_s / GB, "in_GBps": n * size / in_s / GB}
 
     ours = asyncio.run(store())
-    own_op = "not built (needs libaio-dev and DeepSpeed's JIT build of async_io)"
-    return {
+    res: dict[str, Any] = {
         "size": size,
         "n": n,
         "deepspeed_dropin": ds,
         "tieredstore": ours,
-        "deepspeed_own_op": own_op,
+        "deepspeed_own_op": own,
         "ratio_out": ours["out_GBps"] / ds["out_GBps"],
         "ratio_in": ours["in_GBps"] / ds["in_GBps"],
     }
+    if not isinstance(own, str):
+        res["ratio_out_own"] = ours["out_GBps"] / own["out_GBps"]
+        res["ratio_in_own"] = ours["in_GBps"] / own["in_GBps"]
+    return res
 
 
 def _fmt(x: float | None) -> str:
@@ -315,6 +365,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--passes", type=int, default=3, help="passes over the working set in the sweep")
     p.add_argument("--quick", action="store_true", help="small sizes: proves it runs, in seconds")
     p.add_argument("--no-deepspeed", action="store_true")
+    p.add_argument(
+        "--ds-build",
+        action="store_true",
+        help="JIT-build DeepSpeed's async_io op if it is not built (minutes)",
+    )
     p.add_argument("--plot", help="PNG of the sweep (needs matplotlib)")
     p.add_argument("--json", help="write all results here")
     a = p.parse_args(argv)
@@ -331,8 +386,12 @@ def main(argv: list[str] | None = None) -> int:
         for r in res["nvme_get"]:
             _row(r)
         res["put_evict"] = [asyncio.run(put_evict(base, s, total)) for s in sizes]
-        print("put-evict  (every put evicts one):   size  store GB/s  fio GB/s  ratio")
+        print("put-evict  (2-value host tier):      size  store GB/s  fio GB/s  ratio")
         for r in res["put_evict"]:
+            _row(r)
+        res["put_evict_16"] = [asyncio.run(put_evict(base, s, total, 16)) for s in sizes]
+        print("put-evict  (16-value host tier):     size  store GB/s  fio GB/s  ratio")
+        for r in res["put_evict_16"]:
             _row(r)
         reps = max(4, total // max(sizes) // 2)
         res["host_hit"] = [asyncio.run(host_hit(base, s, reps)) for s in sizes]
@@ -353,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plot: {a.plot}")
         if not a.no_deepspeed:
             n = 8 if a.quick else 32
-            res["deepspeed"] = deepspeed_swap(base, max(sizes), n)
+            res["deepspeed"] = deepspeed_swap(base, max(sizes), n, a.ds_build)
             r = res["deepspeed"]
             if "error" in r:
                 print(f"deepspeed: {r['error']}")
@@ -365,7 +424,15 @@ def main(argv: list[str] | None = None) -> int:
                     f"  TieredStore  {ts['out_GBps']:.2f} / {ts['in_GBps']:.2f}"
                     f"  (x{r['ratio_out']:.2f} / x{r['ratio_in']:.2f})"
                 )
-                print(f"  DeepSpeed's own op: {r['deepspeed_own_op']}")
+                own = r["deepspeed_own_op"]
+                if isinstance(own, str):
+                    print(f"  AsyncTensorSwapper on DeepSpeed's own op: not run ({own})")
+                else:
+                    print(
+                        f"  AsyncTensorSwapper on DeepSpeed's own op  {own['out_GBps']:.2f} / "
+                        f"{own['in_GBps']:.2f}  (TieredStore x{r['ratio_out_own']:.2f}"
+                        f" / x{r['ratio_in_own']:.2f})"
+                    )
     finally:
         shutil.rmtree(base, ignore_errors=True)
     if a.json:

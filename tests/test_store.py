@@ -137,7 +137,7 @@ async def test_hold_pins_and_backpressure_times_out(tmp_path):
             with pytest.raises(StoreTimeoutError) as ei:
                 await s.put("c", np.full(n, 3, np.uint8), timeout=0.05)
             assert isinstance(ei.value, TimeoutError)
-            assert "c" not in s and s.where("a") == ["host"]
+            assert "c" not in s and "host" in s.where("a")  # (write-behind may have cleaned it too)
             # without a timeout it waits until a hold ends
             task = asyncio.ensure_future(s.put("c", np.full(n, 3, np.uint8)))
             await asyncio.sleep(0.02)
@@ -226,7 +226,8 @@ async def test_user_policy_object(tmp_path):
     async with TieredStore(tmp_path, host=2 * n, policy=NewestFirst) as s:
         for i in range(3):
             await s.put(i, np.full(n, i, np.uint8))
-        assert s.where(0) == ["host"] and s.where(1) == ["nvme"] and s.where(2) == ["host"]
+        # (write-behind may also have written 0 while 1 was put: it stays in memory, clean)
+        assert "host" in s.where(0) and s.where(1) == ["nvme"] and s.where(2) == ["host"]
 
 
 async def test_striping_over_two_directories(tmp_path):

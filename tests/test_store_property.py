@@ -132,7 +132,8 @@ async def _round(store: TieredStore, model: dict, round_ops) -> None:
 
 
 async def _check(store: TieredStore, model: dict) -> None:
-    await asyncio.gather(*list(store._tasks), return_exceptions=True)  # background cleaning, prefetches
+    while store._tasks:  # background cleaning (a batch that ends starts the next), prefetches
+        await asyncio.gather(*list(store._tasks), return_exceptions=True)
     assert len(store) == len(model)
     for k in KEYS:
         if k in model:

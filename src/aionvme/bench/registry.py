@@ -106,6 +106,7 @@ _LAZY: dict[str, tuple[str, str]] = {
         "aionvme.bench.loader:loader_workload",
         "aionvme.data.Loader: one shuffled epoch, fio randread alongside (-o sample=128K,batch=64,mode=sync)",
     ),
+    "store": ("aionvme.bench.tiered:store_workload", "TieredStore put/get/host-hit (-o value=4M -o host=16)"),
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import os
 import warnings
@@ -31,6 +32,7 @@ from ._values import Meta, check_out, describe, flat_bytes, is_cuda, result_like
 __all__ = ["TieredStore"]
 
 BASENAME = "aionvme-store"
+COPY_SLICE = 4 << 20  # a large copy is split into slices of at least this many bytes, one per thread
 
 
 class Entry:
@@ -136,6 +138,18 @@ class TieredStore:
     (write-back); with ``persist=True`` before ``put`` returns (write-through),
     so evicting from host memory never writes again.
 
+    Write-behind (``persist=False``): once the host tier is three quarters
+    full, its coldest values without an NVMe copy are written in the
+    background, in batches of ``clean_batch`` bytes (4 MiB) with up to a
+    quarter of the tier in flight, starting as soon as a put reserves its
+    room; they stay in memory, clean, so a put that needs room drops one at
+    once instead of waiting for its write.
+
+    Copies: a get served by the host tier copies on the event loop's thread
+    below ``copy_threshold`` bytes (8 MiB) and returns without suspending;
+    larger copies (in and out) run as up to ``copy_threads`` parallel slices
+    on the store's own threads.
+
     Ownership: ``get`` returns a new array or tensor the caller owns (a copy
     from a memory tier, or read straight from NVMe into fresh page-aligned
     memory). ``hold`` lends a view of the store's own memory, valid and
@@ -169,7 +183,10 @@ class TieredStore:
         self.paths = [os.path.abspath(os.fspath(p)) for p in paths]
         self.persist = bool(persist)
         self.timeout = timeout
-        self.copy_threshold = 8 << 20  # bigger copies run on a thread (the loop never stalls long)
+        self.copy_threshold = 8 << 20  # bigger copies run on threads (the loop never stalls long)
+        self.copy_threads = min(8, os.cpu_count() or 1)  # slices of a large copy run in parallel
+        self.copy_slice = COPY_SLICE
+        self._copy_pool: concurrent.futures.ThreadPoolExecutor | None = None
         factory = make_policy(policy)
         self.admission = make_admission(admit)
         self._closed = False
@@ -178,7 +195,9 @@ class TieredStore:
         self._klocks: dict[Hashable, collections.deque[asyncio.Future[None]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._compact_lock: asyncio.Lock | None = None
-        self._cleaning: asyncio.Task[None] | None = None
+        self._cleaners: set[asyncio.Task[None]] = set()  # write-behind batches in flight
+        self._clean_bytes = 0  # bytes they write
+        self.clean_batch = 4 << 20  # bytes per write-behind batch (several in flight)
         self.errors: list[BaseException] = []  # failures of prefetches nobody awaited
         host_b = defaults.parse_size(host)
         gpu_b = _sizes(gpu)
@@ -273,17 +292,59 @@ class TieredStore:
         return _Writers(self._klocks, keys)
 
     async def _copy(self, dst: Any, src: Any) -> None:
-        """dst[:] = src; large copies on a thread, awaited to the end even if cancelled."""
-        if len(dst) < self.copy_threshold or is_cuda(dst) or is_cuda(src):
+        """dst[:] = src; large copies in parallel slices on threads (numpy and
+        torch release the GIL), awaited to the end even if cancelled."""
+        n = len(dst)
+        if n < self.copy_threshold or is_cuda(dst) or is_cuda(src):
             _copy_into(dst, src)
             return
+        if self._copy_pool is None:
+            self._copy_pool = concurrent.futures.ThreadPoolExecutor(
+                self.copy_threads, thread_name_prefix="aionvme-store-copy"
+            )
         loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(None, _copy_into, dst, src)
+        k = max(1, min(self.copy_threads, n // self.copy_slice))
+        step = round_up(-(-n // k))
+        futs = [
+            loop.run_in_executor(self._copy_pool, _copy_into, dst[o : o + step], src[o : o + step])
+            for o in range(0, n, step)
+        ]
+        every = asyncio.gather(*futs, return_exceptions=True)
         try:
-            await asyncio.shield(fut)
+            results = await asyncio.shield(every)
         except asyncio.CancelledError:
-            await fut  # the thread still writes into dst: wait before anyone reuses it
+            await every  # the threads still write into dst: wait before anyone reuses it
             raise
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+
+    def _hit_now(self, e: Entry, out: Any) -> Any:
+        """A CPU get served from the host tier with no suspension point (so no
+        reference count, no task switch, no notify): the value, or None where
+        the general path must serve it (not in host memory, a copy large
+        enough for threads, a CUDA ``out``)."""
+        off = e.host
+        meta = e.meta
+        n = meta.nbytes
+        if off is None or n == 0 or n >= self.copy_threshold:
+            return None
+        h = self._host
+        src = h.arena[off : off + n]
+        if out is None:
+            # allocate and copy in one call (a torch value: torch's own memory, as torch.empty gives)
+            value = view_as(src, meta)
+            value = value.copy() if meta.kind == "numpy" else value.clone()
+        else:
+            if is_cuda(out):
+                return None
+            _copy_into(check_out(out, meta), src)
+            value = out
+        st = h.stats
+        st["hits"] += 1
+        st["bytes_out"] += n
+        h.touch(e)
+        return value
 
     # -- copies: release ----------------------------------------------------------------
 
@@ -368,14 +429,33 @@ class TieredStore:
                 got = tier.try_alloc(nbytes)  # type: ignore[attr-defined]
                 if got is not None:
                     return got
-                cleaner = self._cleaning
-                if tier is self._host and cleaner is not None and not cleaner.done():
-                    # the coldest values are being written already: wait for
-                    # them (then they drop at once) rather than evict hotter ones
-                    with contextlib.suppress(Exception):
-                        await asyncio.shield(cleaner)
-                    continue
                 short = nbytes - (tier.capacity - tier.used)
+                if tier is self._host and self._cleaners:
+                    # the coldest values are being written already: drop clean
+                    # ones if that makes room, else wait for a batch to end
+                    # (its values drop at once) rather than evict hotter ones
+                    clean: list[Entry] = []
+                    got_b = 0
+                    for cand in tier.policy.victims():  # in the policy's order
+                        c: Entry = cand  # type: ignore[assignment]
+                        if c not in tier.entries or c.moving:
+                            if c.moving:
+                                break  # being written: it goes first, once clean
+                            continue
+                        if not self._evictable(tier, c):
+                            continue  # held or loading
+                        if c.disk is None and c.gpu is None:
+                            break  # dirty: never evict a later victim before it
+                        clean.append(c)
+                        got_b += round_up(c.nbytes)
+                        if got_b >= short:
+                            break
+                    if clean and got_b >= short:
+                        for c in clean:
+                            self._drop_host(c)
+                    else:
+                        await asyncio.wait(set(self._cleaners), return_when=asyncio.FIRST_COMPLETED)
+                    continue
                 victims: list[Entry] = []
                 freed = 0
                 for cand in tier.policy.victims():
@@ -603,6 +683,7 @@ class TieredStore:
                         off = await self._make_room(self._host, e.nbytes, deadline, f"{k!r}")
                         e.host = off
                         e.refs += 1  # not evictable while being filled
+                        self._kick_cleaner()  # write colder values out while this one is copied in
                         try:
                             if is_cuda(src):
                                 _as_torch(self._host.view(off, e.nbytes)).copy_(src)
@@ -637,54 +718,72 @@ class TieredStore:
     # -- write-back cleaning ------------------------------------------------------------
 
     def _kick_cleaner(self) -> None:
-        """persist=False: when the host tier is three quarters full, write its
-        coldest values that have no NVMe copy yet (a quarter of the tier, one
-        batched write) in the background. They stay in memory, now clean, so
-        the put that needs room later drops them at once instead of waiting
-        for a write: evictions overlap with the puts that cause them."""
+        """persist=False write-behind: while the host tier is at least three
+        quarters full, write its coldest values that have no NVMe copy yet,
+        in batches of ``clean_batch`` bytes, up to a quarter of the tier in
+        flight (at least one value). They stay in memory, now clean, so the
+        put that needs room later drops them at once instead of waiting for a
+        write: evictions overlap with the puts (and copies) that cause them,
+        and the device always has the next batch queued. Each batch that ends
+        starts the next."""
         h = self._host
-        busy = self._cleaning is not None and not self._cleaning.done()
-        if self.persist or busy or self._closed or h.used * 4 < h.capacity * 3:
+        if self.persist or self._closed:
             return
-        task = asyncio.get_running_loop().create_task(self._clean())
-        self._cleaning = task
-        self._tasks.add(task)
-
-        def done(t: asyncio.Task[None]) -> None:
-            self._tasks.discard(t)
-            if self._cleaning is t:
-                self._cleaning = None
-            if not t.cancelled() and t.exception() is not None:
-                self.errors.append(t.exception())  # type: ignore[arg-type]
-                del self.errors[:-16]
-
-        task.add_done_callback(done)
-
-    async def _clean(self) -> None:
-        h = self._host
         budget = max(h.capacity // 4, 1)
-        dirty: list[Entry] = []
-        total = 0
-        for cand in h.policy.victims():
-            e: Entry = cand  # type: ignore[assignment]
-            if (
-                e in h.entries
-                and e.disk is None
-                and e.gpu is None
-                and e.host is not None
-                and e.refs == 0
-                and not e.moving
-                and e.loading is None
-            ):
-                dirty.append(e)
-                total += round_up(e.nbytes)
-                if total >= budget:
-                    break
-        if not dirty:
+        if h.used * 4 < h.capacity * 3 or self._clean_bytes >= budget:
             return
-        for e in dirty:
-            e.moving = True
-            e.refs += 1
+        cands: list[Entry] = list(h.policy.victims())  # type: ignore[arg-type]
+        dirty_now = [
+            e
+            for e in cands
+            if e in h.entries
+            and e.disk is None
+            and e.gpu is None
+            and e.host is not None
+            and e.refs == 0
+            and not e.moving
+            and e.loading is None
+        ]
+        i = 0
+        while i < len(dirty_now) and self._clean_bytes < budget:
+            room = min(budget - self._clean_bytes, self.clean_batch)
+            batch: list[Entry] = []
+            total = 0
+            while i < len(dirty_now):
+                n = round_up(dirty_now[i].nbytes)
+                if total + n > room and (batch or self._clean_bytes):
+                    break  # the next batch starts with it
+                batch.append(dirty_now[i])
+                total += n
+                i += 1
+                if total >= room:
+                    break
+            if not batch:
+                return
+            for e in batch:
+                e.moving = True
+                e.refs += 1
+            self._clean_bytes += total
+            task = asyncio.get_running_loop().create_task(self._clean(batch))
+            self._cleaners.add(task)
+            self._tasks.add(task)
+            task.add_done_callback(lambda t, total=total: self._cleaned(t, total))  # type: ignore[misc]
+
+    def _cleaned(self, t: asyncio.Task[None], nbytes: int) -> None:
+        self._tasks.discard(t)
+        self._cleaners.discard(t)
+        self._clean_bytes -= nbytes
+        if t.cancelled():
+            return
+        if t.exception() is not None:
+            self.errors.append(t.exception())  # type: ignore[arg-type]
+            del self.errors[:-16]
+            return  # no retry from here (a full disk would spin): the next put or eviction tries
+        self._kick_cleaner()
+
+    async def _clean(self, dirty: list[Entry]) -> None:
+        """Write one write-behind batch (its entries are marked moving and referenced)."""
+        h = self._host
         exts: list[Extents] = []
         try:
             for e in dirty:
@@ -784,6 +883,10 @@ class TieredStore:
         """
         self._enter()
         e = self._lookup(key)
+        if device == "cpu" and e.host is not None:
+            value = self._hit_now(e, out)
+            if value is not None:
+                return value
         return await self._get_entry(e, str(device), out, self._deadline(timeout))
 
     async def _get_entry(self, e: Entry, device: str, out: Any, deadline: float | None) -> Any:
@@ -872,6 +975,27 @@ class TieredStore:
             raise StoreKeyError(e.key)
         return await self._get_entry(cur, device, out, deadline)
 
+    async def _promote_from(self, e: Entry, raw: Any) -> None:
+        """Copy a value just read from NVMe (``raw``, its bytes) into the host
+        tier, if room can be made without waiting."""
+        if e.host is not None or e.loading is not None or e.dead:
+            return
+        try:
+            off = await self._make_room(self._host, e.nbytes, None, f"{e.key!r}", wait=False)
+        except (StoreFullError, StoreTimeoutError):
+            return  # no room now (or no disk room to evict to): the value stays on NVMe
+        try:
+            if e.host is not None or e.dead:
+                return
+            await self._copy(self._host.view(off, e.nbytes), raw[: e.nbytes])
+            if e.host is not None or e.dead:
+                return
+            e.host, off = off, -1
+            self._host.add(e)
+        finally:
+            if off >= 0:
+                self._host.free(off, e.nbytes)
+
     async def _await_load(self, task: asyncio.Task[None]) -> bool:
         """Wait for a load; False if it found no room (the caller reads directly instead)."""
         try:
@@ -881,27 +1005,57 @@ class TieredStore:
         return True
 
     async def get_many(
-        self, keys: Iterable[Hashable], device: str = "cpu", *, timeout: float | None = None
+        self,
+        keys: Iterable[Hashable],
+        device: str = "cpu",
+        *,
+        out: Sequence[Any] | None = None,
+        timeout: float | None = None,
     ) -> list[Any]:
-        """get of each key, in order; values only on NVMe are read in one request per slab."""
+        """get of each key, in order (``out``: fill these arrays or tensors,
+        one per key, as ``get(out=)`` does, and return them).
+
+        Values only on NVMe are read straight into their results, all in one
+        request per slab; then, where the admission policy agrees, the last
+        of them that fit in the host tier are copied into it (promotion that
+        never waits for room: a batch larger than the tier does not evict its
+        own values one by one).
+        """
         self._enter()
         ks = list(keys)
         entries = [self._lookup(k) for k in ks]
         deadline = self._deadline(timeout)
-        out: list[Any] = [None] * len(ks)
+        dests: list[Any] = [None] * len(ks)
+        if out is not None:
+            dests = list(out)
+            if len(dests) != len(ks):
+                raise ValueError(f"out has {len(dests)} buffers for {len(ks)} keys")
+            for d, e in zip(dests, entries):
+                check_out(d, e.meta)
+        res: list[Any] = [None] * len(ks)
         cold: list[tuple[int, Entry, Any, Any]] = []
         warm: list[int] = []
+        admitted: list[tuple[Entry, Any]] = []
         for i, e in enumerate(entries):
+            d = dests[i]
             if (
                 str(device) == "cpu"
+                and (d is None or not is_cuda(d))
+                and e.nbytes > 0
                 and e.host is None
                 and e.loading is None
                 and e.gpu is None
                 and e.disk is not None
-                and not (0 < e.nbytes <= self._host.capacity and self.admission.admit(e.key, e.nbytes))
             ):
-                value, raw = result_like(e.meta, "cpu", aligned=True, nbytes=round_up(e.nbytes))
+                # only on NVMe: read straight into the result with the others
+                # (one batched request per slab), promote afterwards
+                if d is None:
+                    value, raw = result_like(e.meta, "cpu", aligned=True, nbytes=round_up(e.nbytes))
+                else:
+                    value, raw = d, check_out(d, e.meta)
                 cold.append((i, e, value, raw))
+                if 0 < e.nbytes <= self._host.capacity and self.admission.admit(e.key, e.nbytes):
+                    admitted.append((e, raw))
             else:
                 warm.append(i)
         for _, e, _, _ in cold:
@@ -913,16 +1067,27 @@ class TieredStore:
             for _, e, _, _ in cold:
                 self._unref_disk(e)
         for i, _, value, _ in cold:
-            out[i] = value
+            res[i] = value
         self._host.stats["misses"] += len(cold)
         self._nvme.stats["hits"] += len(cold)
+        # promotion: a batch larger than the host tier promotes only its last
+        # values that fit (the earlier ones would only evict each other)
+        room = self._host.capacity
+        keep = 0
+        for e, _raw in reversed(admitted):
+            if round_up(e.nbytes) > room:
+                break
+            room -= round_up(e.nbytes)
+            keep += 1
+        for e, raw in admitted[len(admitted) - keep :]:
+            await self._promote_from(e, raw)
         if warm:
             got = await asyncio.gather(
-                *(self._get_entry(entries[i], str(device), None, deadline) for i in warm)
+                *(self._get_entry(entries[i], str(device), dests[i], deadline) for i in warm)
             )
             for i, v in zip(warm, got):
-                out[i] = v
-        return out
+                res[i] = v
+        return res
 
     # -- prefetch / hold / evict / delete --------------------------------------------------
 
@@ -1175,6 +1340,12 @@ class TieredStore:
             if self._journal is not None:
                 self._journal.close()
             self._nvme.close(remove=not self.persist)
+            self._stop_copy_pool()
+
+    def _stop_copy_pool(self) -> None:
+        pool, self._copy_pool = self._copy_pool, None
+        if pool is not None:
+            pool.shutdown(wait=False)  # idle: every copy was awaited
 
     def close_sync(self) -> None:
         """close() for code without a running loop (no prefetch may be in flight)."""
@@ -1188,6 +1359,7 @@ class TieredStore:
             if self._journal is not None:
                 self._journal.close()
             self._nvme.close(remove=not self.persist)
+            self._stop_copy_pool()
 
     @property
     def closed(self) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Coroutine, Hashable, Iterable, Iterator, Mapping
+from collections.abc import Coroutine, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from ._store import TieredStore
@@ -52,9 +52,14 @@ class SyncTieredStore:
         return self._run(self.aio.get(key, device, out=out, timeout=timeout))
 
     def get_many(
-        self, keys: Iterable[Hashable], device: str = "cpu", *, timeout: float | None = None
+        self,
+        keys: Iterable[Hashable],
+        device: str = "cpu",
+        *,
+        out: Sequence[Any] | None = None,
+        timeout: float | None = None,
     ) -> list[Any]:
-        return self._run(self.aio.get_many(list(keys), device, timeout=timeout))
+        return self._run(self.aio.get_many(list(keys), device, out=out, timeout=timeout))
 
     def prefetch(self, keys: Iterable[Hashable], to: str = "host", *, timeout: float | None = None) -> None:
         self._run(self.aio.prefetch(list(keys), to, timeout=timeout))
