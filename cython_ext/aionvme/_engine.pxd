@@ -264,6 +264,8 @@ cdef class Engine:
     cdef int64_t win                    # bytes in flight allowed now (0: idle, restart)
     cdef int64_t win_kept               # the window when the engine last went idle
     cdef int64_t idle_ns                # and when
+    cdef InodeC *win_inode              # the file and op whose busy period measured it
+    cdef int32_t win_op
     cdef int64_t done_bytes             # bytes of chunks completed (the window's meter)
     cdef int64_t mark_bytes             # done_bytes when the current sample began
     cdef int64_t mark_ns                # monotonic time then

@@ -33,8 +33,10 @@ cdef int RUN_SIGNAL_CHECK_MS = 100
 # span (at most twice the old window: slow start), and a span in which less
 # than a window completed shrinks it at once. The floor is ADAPT_FLOOR (and
 # one chunk is always allowed); max_inflight_bytes still caps it. A window
-# learned is kept over idle gaps shorter than ADAPT_KEEP_NS (the next
-# blocking call of the same thread, likely on the same device).
+# learned is kept over an idle gap shorter than ADAPT_KEEP_NS when the next
+# busy period starts on the same file and direction (a file read in slices by
+# successive calls); any other file may be on a slower device, or throttled
+# differently, and starts again from ADAPT_START.
 cdef int64_t ADAPT_SPAN_NS = 250 * 1000 * 1000
 cdef int64_t ADAPT_START = 2 << 20
 cdef int64_t ADAPT_FLOOR = 1 << 20
@@ -475,8 +477,11 @@ cdef class Engine:
             if self.win == 0:   # a busy period begins
                 now = _now_ns()
                 self.win = ADAPT_START
-                if self.win_kept > ADAPT_START and now - self.idle_ns < ADAPT_KEEP_NS:
+                if (self.win_kept > ADAPT_START and now - self.idle_ns < ADAPT_KEEP_NS
+                        and r.inode == self.win_inode and r.op == self.win_op and r.inode != NULL):
                     self.win = self.win_kept
+                self.win_inode = r.inode
+                self.win_op = r.op
                 self.mark_ns = now
                 self.mark_bytes = self.done_bytes
             if cap == 0 or self.win < cap:
@@ -635,29 +640,29 @@ cdef class Engine:
         cdef int64_t db = self.done_bytes - self.mark_bytes
         cdef int64_t dt = now - self.mark_ns
         cdef int64_t target
+        # Judge once a window's worth has completed, or a whole span has
+        # passed with less: earlier is too early to tell.
+        if db >= self.win or dt >= ADAPT_SPAN_NS:
+            # bytes the device completes in a span at the rate measured
+            # (double: db * span overflows int64 past ~36 GiB)
+            target = <int64_t>(<double>db * <double>ADAPT_SPAN_NS / <double>(dt if dt > 0 else 1))
+            if db >= self.win:
+                if target > 2 * self.win:
+                    target = 2 * self.win
+                if self.max_inflight_bytes and target > self.max_inflight_bytes:
+                    target = self.max_inflight_bytes
+                self.win = target if target > ADAPT_FLOOR else ADAPT_FLOOR
+            elif target < self.win:
+                self.win = target if target > ADAPT_FLOOR else ADAPT_FLOOR
+            if db > 0:
+                # a span without completions keeps its start: the next
+                # completion must not look like a burst
+                self.mark_ns = now
+                self.mark_bytes = self.done_bytes
         if self.inflight_bytes == 0 and self.pend_head == NULL:
             self.win_kept = self.win   # idle: the next request starts a new busy period
             self.idle_ns = now
             self.win = 0
-            return
-        if db < self.win and dt < ADAPT_SPAN_NS:
-            return   # less than a window completed, and the span is not over: too early to tell
-        # bytes the device completes in a span at the rate measured (double:
-        # db * span overflows int64 past ~36 GiB)
-        target = <int64_t>(<double>db * <double>ADAPT_SPAN_NS / <double>(dt if dt > 0 else 1))
-        if db >= self.win:
-            if target > 2 * self.win:
-                target = 2 * self.win
-            if self.max_inflight_bytes and target > self.max_inflight_bytes:
-                target = self.max_inflight_bytes
-            self.win = target if target > ADAPT_FLOOR else ADAPT_FLOOR
-        elif target < self.win:
-            self.win = target if target > ADAPT_FLOOR else ADAPT_FLOOR
-        if db > 0:
-            # a span without completions keeps its start: the next completion
-            # must not look like a burst
-            self.mark_ns = now
-            self.mark_bytes = self.done_bytes
 
     cdef list _collect(self):
         cdef ReqC *r = self.done_head
@@ -808,7 +813,9 @@ cdef class Engine:
         ``RUN_SIGNAL_CHECK_MS`` to run Python's signal handlers: a handler that
         raises (KeyboardInterrupt on Ctrl-C) cancels req, and the chunks
         already in flight are still waited for before the exception
-        propagates: the caller's buffer is never left to the kernel."""
+        propagates: the caller's buffer is never left to the kernel. On an
+        ``adaptive`` engine those are what the device completes in about
+        ADAPT_SPAN_NS."""
         try:
             while not (req.c.flags & RF_FINISHED):
                 self.pump()

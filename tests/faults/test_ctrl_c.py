@@ -124,3 +124,31 @@ def test_ctrl_c_interrupts_a_blocking_transfer(slow_file, how, knobs):
     time.sleep(1.0)
     changed = int(np.count_nonzero(buf != SENTINEL))
     assert changed == 0, f"{changed} bytes of the buffer were written after KeyboardInterrupt"
+
+
+@pytest.fixture
+def slow_checkpoint(loopfs, drop_caches):
+    fs = loopfs("ext4", 64 * MiB)
+    path = str(fs.mnt / "ckpt.safetensors")
+    nvme.sync_save({"w": np.random.default_rng(4).integers(0, 256, 40 * MiB, dtype=np.uint8)}, path)
+    drop_caches()
+    with blkio_throttle(fs.dev, read_bps=RATE):
+        yield path
+
+
+def test_ctrl_c_interrupts_sync_load(slow_checkpoint):
+    # sync_load runs on aionvme's background loop: Ctrl-C cancels the load and
+    # waits for its reads in flight, which the loop's engine keeps to what the
+    # device completes in ~0.25 s, as the engines of blocking calls do.
+    sent: list[float] = []
+    timer = _sigint_after(SIGNAL_AT, sent)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            nvme.sync_load(slow_checkpoint)
+    finally:
+        timer.cancel()
+    raised = time.monotonic()
+    assert sent, "the load ended before the signal was sent: the device is not slow"
+    late = raised - sent[0]
+    assert late < 1.0, f"KeyboardInterrupt came {late:.2f} s after SIGINT ({raised - t0:.1f} s in)"
