@@ -101,6 +101,28 @@ def test_queue_depth_caps_the_chunks_in_flight(make_file):
     assert np.array_equal(buf, data)
 
 
+def test_blocking_calls_on_the_shared_engine_adapt_their_window(make_file):
+    # The thread's engine keeps in flight only what the device completes in
+    # ~0.25 s (Ctrl-C waits for it: tests/faults/test_ctrl_c.py). A busy period
+    # starts with 2 MiB and the window doubles as fast completions come in: on
+    # the page cache it reaches the defaults' 64 MiB cap within a 64 MiB read.
+    # A Handle with its own engine shape keeps DeepNVMe's knobs exact: no
+    # adaptive window on its engines (the counts above rely on that).
+    path, data = make_file(64 * MiB)
+    buf = nvme.empty(64 * MiB)
+    with Handle(direct=False) as h:
+        assert h.sync_pread(buf, path) == 64 * MiB
+        s = h.stats()
+    assert np.array_equal(buf, data)
+    assert s["adaptive"] is True and s["engines"] == 1
+    assert 16 * MiB <= s["window_bytes"] <= s["max_inflight_bytes"], s
+    with Handle(queue_depth=32, direct=False) as h:
+        buf[:] = 0
+        assert h.sync_pread(buf, path) == 64 * MiB
+        assert h.stats()["adaptive"] is False
+    assert np.array_equal(buf, data)
+
+
 @contextlib.contextmanager
 def _slow_file(tmp_path: Path, data: np.ndarray, read_iops: int) -> Iterator[str]:
     """A file holding data on ext4 on a loop device whose reads this process may

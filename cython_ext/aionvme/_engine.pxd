@@ -262,6 +262,16 @@ cdef class Engine:
     cdef readonly long long inline_submit_max
     cdef readonly long long max_inflight_bytes
     cdef int64_t inflight_bytes
+    # The adaptive window (blocking engines, see "Adaptive window" in engine.pxi)
+    cdef public bint adaptive           # bytes in flight follow the completion rate
+    cdef int64_t win                    # bytes in flight allowed now (0: idle, restart)
+    cdef int64_t win_kept               # the window when the engine last went idle
+    cdef int64_t idle_ns                # and when
+    cdef InodeC *win_inode              # the file and op whose busy period measured it
+    cdef int32_t win_op
+    cdef int64_t done_bytes             # bytes of chunks completed (the window's meter)
+    cdef int64_t mark_bytes             # done_bytes when the current sample began
+    cdef int64_t mark_ns                # monotonic time then
     cdef readonly long long submit_budget   # bytes generated per pump at most (0: no cap)
     cdef readonly bint more                 # the budget stopped generation with work left
     cdef bint ring_reap                 # reap from the mmapped completion ring
@@ -293,4 +303,5 @@ cdef class Engine:
     cdef void _generate(self) noexcept nogil
     cdef void _submit(self) noexcept nogil
     cdef void _reap(self) noexcept nogil
+    cdef void _adapt(self) noexcept nogil
     cdef list _collect(self)

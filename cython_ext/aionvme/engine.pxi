@@ -23,6 +23,31 @@ cdef enum:
 # chunks in flight take to land).
 cdef int RUN_SIGNAL_CHECK_MS = 100
 
+# Adaptive window (Engine.adaptive, set on the engines of blocking calls).
+# Kernel AIO cannot cancel a transfer, so Ctrl-C in a blocking call waits for
+# the bytes in flight: on a device that delivers 4 MiB/s, the 64 MiB the
+# engine allows take 16 s. An adaptive engine keeps in flight only what the
+# device completes in ADAPT_SPAN_NS, measured from its completions: a busy
+# period starts with ADAPT_START bytes; each time a window's worth has
+# completed, the window becomes the bytes the measured rate delivers in the
+# span (at most twice the old window: slow start), and a span in which less
+# than a window completed shrinks it at once. The floor is ADAPT_FLOOR (and
+# one chunk is always allowed); max_inflight_bytes still caps it. A window
+# learned is kept over an idle gap shorter than ADAPT_KEEP_NS when the next
+# busy period starts on the same file and direction (a file read in slices by
+# successive calls); any other file may be on a slower device, or throttled
+# differently, and starts again from ADAPT_START.
+cdef int64_t ADAPT_SPAN_NS = 250 * 1000 * 1000
+cdef int64_t ADAPT_START = 2 << 20
+cdef int64_t ADAPT_FLOOR = 1 << 20
+cdef int64_t ADAPT_KEEP_NS = 1000 * 1000 * 1000
+
+
+cdef inline int64_t _now_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <int64_t>ts.tv_sec * 1000000000 + ts.tv_nsec
+
 # Bounce copies up to this size run inline on the loop thread (a few µs);
 # larger ones go to a worker (see PH_*).
 cdef int64_t COPY_INLINE_MAX = 64 * 1024
@@ -281,6 +306,7 @@ cdef class Engine:
             aionvme_atomic_add(&_dbg_chunks, -1)
             aionvme_atomic_add(&_dbg_completed, 1)
         self.n_completed += 1
+        self.done_bytes += ch.acct
         self.inflight_bytes -= ch.acct
         ch.acct = 0
         r.inflight -= 1
@@ -460,7 +486,22 @@ cdef class Engine:
         cdef int32_t slot
         cdef int rc
         cdef int64_t budget = self.submit_budget if self.submit_budget > 0 else 0x7fffffffffffffff
+        cdef int64_t cap = self.max_inflight_bytes
+        cdef int64_t now
         self.more = False
+        if self.adaptive and r != NULL:
+            if self.win == 0:   # a busy period begins
+                now = _now_ns()
+                self.win = ADAPT_START
+                if (self.win_kept > ADAPT_START and now - self.idle_ns < ADAPT_KEEP_NS
+                        and r.inode == self.win_inode and r.op == self.win_op and r.inode != NULL):
+                    self.win = self.win_kept
+                self.win_inode = r.inode
+                self.win_op = r.op
+                self.mark_ns = now
+                self.mark_bytes = self.done_bytes
+            if cap == 0 or self.win < cap:
+                cap = self.win
         while r != NULL and self.nfree > 0:
             nxt = r.next
             if (r.flags & RF_NO_OVERLAP) and r.inflight > 0:
@@ -470,8 +511,7 @@ cdef class Engine:
                 if budget <= 0:
                     self.more = True
                     return
-                if (self.max_inflight_bytes and self.inflight_bytes > 0
-                        and self.inflight_bytes + r.block > self.max_inflight_bytes):
+                if cap and self.inflight_bytes > 0 and self.inflight_bytes + r.block > cap:
                     return   # completions will free room and pump again
                 slot = self.free_head
                 ch = &self.chunks[slot]
@@ -609,6 +649,38 @@ cdef class Engine:
                 self._queue_iocb(self.reapq[i])   # bounce filled by a worker: now the write
             else:
                 self._complete_chunk(self.reapq[i])
+        if self.win > 0:
+            self._adapt()
+
+    cdef void _adapt(self) noexcept nogil:
+        """The adaptive window after a reap (see ADAPT_SPAN_NS)."""
+        cdef int64_t now = _now_ns()
+        cdef int64_t db = self.done_bytes - self.mark_bytes
+        cdef int64_t dt = now - self.mark_ns
+        cdef int64_t target
+        # Judge once a window's worth has completed, or a whole span has
+        # passed with less: earlier is too early to tell.
+        if db >= self.win or dt >= ADAPT_SPAN_NS:
+            # bytes the device completes in a span at the rate measured
+            # (double: db * span overflows int64 past ~36 GiB)
+            target = <int64_t>(<double>db * <double>ADAPT_SPAN_NS / <double>(dt if dt > 0 else 1))
+            if db >= self.win:
+                if target > 2 * self.win:
+                    target = 2 * self.win
+                if self.max_inflight_bytes and target > self.max_inflight_bytes:
+                    target = self.max_inflight_bytes
+                self.win = target if target > ADAPT_FLOOR else ADAPT_FLOOR
+            elif target < self.win:
+                self.win = target if target > ADAPT_FLOOR else ADAPT_FLOOR
+            if db > 0:
+                # a span without completions keeps its start: the next
+                # completion must not look like a burst
+                self.mark_ns = now
+                self.mark_bytes = self.done_bytes
+        if self.inflight_bytes == 0 and self.pend_head == NULL:
+            self.win_kept = self.win   # idle: the next request starts a new busy period
+            self.idle_ns = now
+            self.win = 0
 
     cdef list _collect(self):
         cdef ReqC *r = self.done_head
@@ -765,7 +837,9 @@ cdef class Engine:
         ``RUN_SIGNAL_CHECK_MS`` to run Python's signal handlers: a handler that
         raises (KeyboardInterrupt on Ctrl-C) cancels req, and the chunks
         already in flight are still waited for before the exception
-        propagates: the caller's buffer is never left to the kernel."""
+        propagates: the caller's buffer is never left to the kernel. On an
+        ``adaptive`` engine those are what the device completes in about
+        ADAPT_SPAN_NS."""
         try:
             while not (req.c.flags & RF_FINISHED):
                 self.pump()
@@ -840,6 +914,7 @@ cdef class Engine:
                     ring_submit_calls=rc.n_calls, ring_submitted=rc.n_submitted,
                     inline_submits=self.n_inline_submits, thread_submits=self.n_thread_submits,
                     inflight_bytes=self.inflight_bytes, max_inflight_bytes=self.max_inflight_bytes,
+                    adaptive=bool(self.adaptive), window_bytes=self.win if self.win else self.win_kept,
                     completed=self.n_completed, thread_jobs=self.n_thread_jobs,
                     requests=self.n_requests, live_requests=self.n_live_requests,
                     inflight=self.queue_depth - self.nfree, bounce_buffers=self.n_bounce_buffers,

@@ -137,6 +137,7 @@ class Engine:
     n_thread_submits: int
     inline_submit_max: int
     max_inflight_bytes: int
+    adaptive: bool
     n_completed: int
     n_thread_jobs: int
     n_requests: int

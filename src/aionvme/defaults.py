@@ -27,7 +27,10 @@ ring_reap      AIONVME_RING_REAP       reap completions from the mmapped AIO
 submit_budget  AIONVME_SUBMIT_BUDGET   bytes submitted per loop iteration at
                                        most (io_submit pins pages: ~40 µs/MiB)
 inflight_bytes AIONVME_INFLIGHT_BYTES  bytes in flight per engine at most
-                                       (past the device's tags io_submit waits)
+                                       (past the device's tags io_submit waits);
+                                       blocking calls keep in flight only what
+                                       the device completes in ~0.25 s, up to
+                                       this (Ctrl-C waits for those bytes)
 submit_batch   AIONVME_SUBMIT_BATCH    hand every N requests made in one loop
                                        iteration to the kernel at once, without
                                        waiting for the iteration to end (0: one

@@ -104,6 +104,9 @@ cdef extern from "<time.h>" nogil:
         long tv_sec
         long tv_nsec
     int nanosleep(const timespec *req, timespec *rem)
+    int clock_gettime(int clk_id, timespec *tp)
+    enum:
+        CLOCK_MONOTONIC
 
 
 cdef extern from "<sys/mman.h>" nogil:

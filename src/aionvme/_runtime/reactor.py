@@ -30,7 +30,16 @@ from .. import defaults
 from .._engine import Engine, Request
 from ..exceptions import EngineClosedError
 
-__all__ = ["AsCoroutine", "Reactor", "adopt", "current_pid", "failed", "get_reactor", "new_engine"]
+__all__ = [
+    "AsCoroutine",
+    "Reactor",
+    "adopt",
+    "current_pid",
+    "failed",
+    "get_reactor",
+    "new_engine",
+    "serve_blocking_callers",
+]
 
 _ATTR = "_aionvme_reactor"
 # os.getpid() is a real syscall (glibc stopped caching it): one per request
@@ -353,6 +362,19 @@ def running_loop() -> asyncio.AbstractEventLoop:
     return asyncio.get_running_loop()
 
 
+_BLOCKING_ATTR = "_aionvme_serves_blocking_callers"
+
+
+def serve_blocking_callers(loop: asyncio.AbstractEventLoop) -> None:
+    """Mark loop as one that runs blocking callers' transfers (a background
+    loop behind ``sync_*`` functions): its engines get the adaptive window of
+    the thread engines (see :mod:`aionvme._runtime.blocking`), so Ctrl-C in
+    the waiting thread, which cancels the transfer and waits for the chunks in
+    flight, is not kept waiting by 64 MiB on a slow device. Call it before the
+    loop's first transfer, from any thread."""
+    setattr(loop, _BLOCKING_ATTR, True)
+
+
 def get_reactor(loop: asyncio.AbstractEventLoop | None = None) -> Reactor:
     """The reactor of loop (default: the running loop), created on first use."""
     if loop is None:
@@ -374,6 +396,8 @@ def get_reactor(loop: asyncio.AbstractEventLoop | None = None) -> Reactor:
     if loop.is_closed():
         raise EngineClosedError("the event loop is closed")
     r = Reactor(loop)
+    if getattr(loop, _BLOCKING_ATTR, False):
+        r.engine.adaptive = True
     setattr(loop, _ATTR, r)
     if not getattr(loop, "_aionvme_close_hooked", False):
         _hook_close(loop)

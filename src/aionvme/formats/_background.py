@@ -16,6 +16,8 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from .._runtime.reactor import serve_blocking_callers
+
 __all__ = ["BackgroundLoop", "background", "no_running_loop", "run"]
 
 T = TypeVar("T")
@@ -40,6 +42,9 @@ class BackgroundLoop:
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.loop = asyncio.new_event_loop()
+        # Ctrl-C in a waiting caller cancels and waits for the reads in flight:
+        # the loop's engine keeps them to what the device completes in ~0.25 s.
+        serve_blocking_callers(self.loop)
         self.thread = threading.Thread(target=self._run, name="aionvme-formats", daemon=True)
         self.thread.start()
 
