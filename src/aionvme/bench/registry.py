@@ -102,6 +102,10 @@ _LAZY: dict[str, tuple[str, str]] = {
         "aionvme.bench.peers:deepspeed_workload",
         "DeepSpeed's own aio_handle on the file (child process; -o op=read|write, -o grid=quick|full)",
     ),
+    "offload": (
+        "aionvme.bench.offload:offload_workload",
+        "offload.stream pass + Optimizer step vs their bounds",
+    ),
 }
 
 
