@@ -179,6 +179,8 @@ def bench_stream(args: argparse.Namespace, work: str) -> dict[str, Any]:
         "bound_s": bound,
         "ratio_to_bound": bound / stream_s,
         "peak_resident_bytes": st["peak_resident_bytes"],
+        "peak_memory_bytes": st["peak_memory_bytes"],
+        "direct_loads": st["direct_loads"],
         "wait_s": first["wait_s"],
         "allclose": ok,
         "accelerate_s": acc_s,
@@ -359,7 +361,8 @@ def report(s: dict[str, Any] | None, o: dict[str, Any] | None) -> str:
             "| | seconds | note |",
             "|---|---|---|",
             f"| aionvme stream, cold pass | {s['stream_s']:.3f} | {human_bytes(s['bytes_streamed'])} read, "
-            f"peak resident {human_bytes(s['peak_resident_bytes'])}, allclose={s['allclose']} |",
+            f"peak measured {human_bytes(s['peak_memory_bytes'])} (store host tier + copies), "
+            f"{s['direct_loads']} direct loads, allclose={s['allclose']} |",
             f"| aionvme stream, second pass | {s['stream_second_pass_s']:.3f} | |",
             f"| bound max(read / fio, compute) | {s['bound_s']:.3f} | fio seq read {gbps:.2f} GB/s, "
             f"compute in memory {s['compute_s']:.3f} s |",

@@ -661,7 +661,6 @@ class Streamer:
         return {
             "bytes_read": self.bytes_read,
             "store_host_bytes": int(st["host"]["used"]),
-            "store_hits": int(st["host"]["hits"]),
             "store_evictions": int(st["host"]["evictions"]),
             "direct_loads": self.direct_loads,
             "peak_memory_bytes": self.peak_memory,
