@@ -528,7 +528,12 @@ class Streamer:
                     m._buffers[name] = ph
         u.state = ABSENT
         holds, u.holds = u.holds, []
-        self._loop.submit(self._unhold(u, holds)).result()
+        fut = self._loop.submit(self._unhold(u, holds))
+        if self._evict_released or self._outside > 0:
+            # the bytes must have left the store before the budget counts them free
+            fut.result()
+        # else: the holds end on the loop thread before any read submitted after
+        # this one starts (the loop runs them in order), with no round trip here
         with self._lock:
             self._outside -= u.outside
             u.outside = 0
