@@ -17,7 +17,15 @@ memory.
 Optimizer: ``aionvme.offload.Optimizer(torch.optim.AdamW)`` over
 ``--opt-params`` fp32 parameters under ``--opt-budget``; one step (after the
 first, which creates the state) against its I/O bound, state bytes read /
-fio read bandwidth + bytes written / fio write bandwidth.
+fio read bandwidth + bytes written / fio write bandwidth. Side by side:
+DeepSpeed's ``PipelinedOptimizerSwapper`` (ZeRO-Infinity's NVMe optimizer
+swapper, pipeline_read/pipeline_write on) driven as ZeRO-3's step drives it
+(swap in sub-group i while i-1 is written, torch AdamW on each sub-group),
+through aionvme's DeepSpeed drop-in on the CPU accelerator, in a child
+process (it needs ``deepspeed.init_distributed``, gloo, one rank). It swaps
+the fp32 parameter with its state (12 bytes per parameter each way, ours 8:
+ours keeps the parameter in memory), so both are given against their own
+I/O bound.
 
 Run as root so the page cache is dropped before every cold pass.
 """
@@ -171,6 +179,8 @@ def bench_stream(args: argparse.Namespace, work: str) -> dict[str, Any]:
         "bound_s": bound,
         "ratio_to_bound": bound / stream_s,
         "peak_resident_bytes": st["peak_resident_bytes"],
+        "peak_memory_bytes": st["peak_memory_bytes"],
+        "direct_loads": st["direct_loads"],
         "wait_s": first["wait_s"],
         "allclose": ok,
         "accelerate_s": acc_s,
@@ -218,7 +228,12 @@ def bench_optimizer(args: argparse.Namespace, work: str) -> dict[str, Any]:
         ref.step()
         mem.append(time.perf_counter() - t0)
     mem_s = statistics.median(mem)
+    ds = ds_swapper(n, work) if args.deepspeed else {"note": "not run (--no-deepspeed)"}
+    if "step_s" in ds:
+        ds["io_bound_s"] = ds["bytes_read"] / fio_read + ds["bytes_written"] / fio_write
+        ds["ratio_to_io_bound"] = ds["io_bound_s"] / ds["step_s"]
     return {
+        "deepspeed": ds,
         "params": n,
         "state_bytes": after["state_bytes"],
         "budget": budget,
@@ -233,6 +248,83 @@ def bench_optimizer(args: argparse.Namespace, work: str) -> dict[str, Any]:
         "ratio_to_bound": max(io_bound, mem_s) / step_s,
         "peak_memory_bytes": after["peak_memory_bytes"],
     }
+
+
+def ds_swapper_child(n: int, work: str) -> dict[str, Any]:
+    """In a child process: DeepSpeed's PipelinedOptimizerSwapper over n fp32
+    parameters in 1M-element sub-groups, stepped as ZeRO-3 steps them; the
+    second step timed (cold cache), the state checked against AdamW in memory."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    import aionvme.compat.deepspeed as drop_in
+
+    drop_in.install()
+    import deepspeed
+    from deepspeed.runtime.swap_tensor.pipelined_optimizer_swapper import PipelinedOptimizerSwapper
+    from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    per = 1 << 20
+    d = os.path.join(work, "ds-swap")
+    os.makedirs(d, exist_ok=True)
+    cfg = DeepSpeedZeroOffloadOptimizerConfig(
+        device="nvme", nvme_path=d, buffer_count=12, pipeline_read=True, pipeline_write=True
+    )
+    aio = {
+        "block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1,
+        "single_submit": False, "overlap_events": True, "use_gds": False,
+    }  # fmt: skip
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(min(per, n - i))) for i in range(0, n, per)]
+    for i, p in enumerate(params):
+        p.ds_id = str(i)  # type: ignore[attr-defined]
+    grads = [torch.randn_like(p) for p in params]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    sw = PipelinedOptimizerSwapper(cfg, aio, d, opt, per, "cpu", torch.float32, None)
+    sw.initialize_parameters(parameters=params, src_tensors=[p.data for p in params])
+    group = opt.param_groups[0]
+    every = group["params"]
+
+    def step() -> None:
+        for i, p in enumerate(params):
+            nxt = params[i + 1] if i + 1 < len(params) else None
+            sw.swap_in_optimizer_state(parameter=p, async_parameter=nxt)
+            p.grad = grads[i]
+            group["params"] = [p]
+            opt.step()
+            group["params"] = every
+            p.grad = None
+            sw.swap_out_optimizer_state(parameter=p, async_swap=nxt is not None)
+
+    step()  # creates the state
+    _cold()
+    t0 = time.perf_counter()
+    step()
+    step_s = time.perf_counter() - t0
+    ro = torch.optim.AdamW(ref, lr=1e-4)
+    for _ in range(2):
+        for p, g in zip(ref, grads, strict=True):
+            p.grad = g
+        ro.step()
+    sw.swap_in_optimizer_state(parameter=params[0], async_parameter=None)
+    k = params[0].numel()
+    equal = torch.equal(params[0].data[:k], ref[0].data) and torch.equal(
+        opt.state[params[0]]["exp_avg_sq"][:k], ro.state[ref[0]]["exp_avg_sq"]
+    )
+    moved = 3 * 4 * n  # the fp32 parameter, exp_avg, exp_avg_sq
+    return {"step_s": step_s, "bytes_read": moved, "bytes_written": moved, "bitwise_equal": equal}
+
+
+def ds_swapper(n: int, work: str) -> dict[str, Any]:
+    """ds_swapper_child in a child process; {"note": why} if it could not run."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--ds-child", str(n), "--dir", work]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode != 0 or not lines:
+        tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {"note": f"DeepSpeed's swapper failed: {tail[0][:200]}"}
+    return dict(json.loads(lines[-1]))
 
 
 def plot(timeline: list[list[Any]], path: str) -> None:
@@ -269,7 +361,8 @@ def report(s: dict[str, Any] | None, o: dict[str, Any] | None) -> str:
             "| | seconds | note |",
             "|---|---|---|",
             f"| aionvme stream, cold pass | {s['stream_s']:.3f} | {human_bytes(s['bytes_streamed'])} read, "
-            f"peak resident {human_bytes(s['peak_resident_bytes'])}, allclose={s['allclose']} |",
+            f"peak measured {human_bytes(s['peak_memory_bytes'])} (store host tier + copies), "
+            f"{s['direct_loads']} direct loads, allclose={s['allclose']} |",
             f"| aionvme stream, second pass | {s['stream_second_pass_s']:.3f} | |",
             f"| bound max(read / fio, compute) | {s['bound_s']:.3f} | fio seq read {gbps:.2f} GB/s, "
             f"compute in memory {s['compute_s']:.3f} s |",
@@ -292,12 +385,23 @@ def report(s: dict[str, Any] | None, o: dict[str, Any] | None) -> str:
             f"| I/O bound (read / fio read + write / fio write) | {o['io_bound_s']:.3f} | "
             f"fio {o['fio_read_Bps'] / 1e9:.2f} / {o['fio_write_Bps'] / 1e9:.2f} GB/s |",
             f"| torch AdamW in memory | {o['in_memory_step_s']:.3f} | |",
+            _ds_row(o["deepspeed"]),
             "",
             f"ratio to I/O bound **{o['ratio_to_io_bound']:.2f}x** (target >= 0.85); "
             f"to max(I/O, compute) {o['ratio_to_bound']:.2f}x",
             "",
         ]
     return "\n".join(lines)
+
+
+def _ds_row(ds: dict[str, Any]) -> str:
+    if "step_s" not in ds:
+        return f"| DeepSpeed PipelinedOptimizerSwapper (drop-in) | - | {ds.get('note', '')} |"
+    return (
+        f"| DeepSpeed PipelinedOptimizerSwapper (drop-in) | {ds['step_s']:.3f} | "
+        f"read {human_bytes(ds['bytes_read'])}, wrote {human_bytes(ds['bytes_written'])} (param + state), "
+        f"{ds['ratio_to_io_bound']:.2f}x its I/O bound, bitwise={ds['bitwise_equal']} |"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -313,7 +417,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None, help="scratch directory (on the NVMe drive)")
     ap.add_argument("--plot", default=None, help="PNG of one pass's timeline")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--no-deepspeed", dest="deepspeed", action="store_false", help="skip DeepSpeed's optimizer swapper"
+    )
+    ap.add_argument("--ds-child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.ds_child is not None:
+        print(json.dumps(ds_swapper_child(args.ds_child, args.dir)))
+        return 0
     work = tempfile.mkdtemp(prefix="aionvme-offload-", dir=args.dir)
     try:
         s = bench_stream(args, work) if args.workload in ("all", "stream") else None

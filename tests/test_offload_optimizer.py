@@ -193,3 +193,116 @@ def test_bf16_parameters_and_foreach(tmp_path):
         for p, q in zip(ref_model.parameters(), model.parameters(), strict=True):
             assert q.dtype == torch.bfloat16 and torch.equal(p, q)
         _assert_same_state(ref.state_dict(), opt.state_dict())
+
+
+def _mixed(seed: int) -> tuple[torch.nn.Module, torch.nn.Parameter]:
+    """A bf16 net and one fp32 parameter next to it (master weights leave fp32 alone)."""
+    model = _net(seed).to(torch.bfloat16)
+    model.scale = torch.nn.Parameter(torch.full((4,), 1.5))
+    return model, model.scale
+
+
+def _mixed_step(model, scale, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 16, generator=g).to(torch.bfloat16)
+    (model(x).float() * scale).square().mean().backward()
+
+
+class _InMemoryMaster:
+    """The mixed-precision recipe in memory: fp32 masters stepped by torch's
+    optimizer, rounded into the bf16 parameters."""
+
+    def __init__(self, model, **kwargs):
+        self.params = list(model.parameters())
+        self.masters = [p.detach().float() if p.dtype == torch.bfloat16 else p for p in self.params]
+        self.opt = torch.optim.AdamW(self.masters, **kwargs)
+
+    def step(self):
+        for p, m in zip(self.params, self.masters, strict=True):
+            if m is not p:
+                m.grad = p.grad.float()
+        self.opt.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters, strict=True):
+                if m is not p:
+                    p.copy_(m)
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+
+@pytest.mark.parametrize("backend", ["store", "file"])
+def test_master_weights_bitwise_equal_to_the_recipe_in_memory(tmp_path, backend):
+    ref_model, ref_scale = _mixed(7)
+    model = copy.deepcopy(ref_model)
+    ref = _InMemoryMaster(ref_model, lr=1e-2, weight_decay=0.1)
+    opt = Optimizer(
+        torch.optim.AdamW,
+        model.parameters(),
+        tmp_path / "a",
+        lr=1e-2,
+        weight_decay=0.1,
+        budget="48K",
+        chunk_size="1K",
+        backend=backend,
+        master_weights=True,
+    )
+    try:
+        for s in range(3):
+            for m, o in ((ref_model, ref), (model, opt)):
+                _mixed_step(m, m.scale, s)
+                o.step()
+                o.zero_grad()
+        st = opt.stats()
+        assert st["bytes_read"] > 0 and st["bytes_written"] > 0  # masters went through NVMe
+        assert st["state_bytes"] > 48 << 10
+        assert st["peak_memory_bytes"] <= 48 << 10
+        # the update was not lost to bf16 rounding: masters differ from the params
+        sd = opt.state_dict()
+        ref_sd = ref.opt.state_dict()
+        n_master = 0
+        for i, (p, q, m) in enumerate(
+            zip(ref_model.parameters(), model.parameters(), ref.masters, strict=True)
+        ):
+            assert q.dtype == p.dtype and torch.equal(p, q)
+            ours = dict(sd["state"][i])
+            if p.dtype == torch.bfloat16:
+                master = ours.pop("master")
+                assert master.dtype == torch.float32 and torch.equal(master, m)
+                n_master += not torch.equal(master, q.float())
+            else:
+                assert "master" not in ours
+            for k, v in ref_sd["state"][i].items():
+                assert ours[k].dtype == v.dtype and torch.equal(ours[k], v), (i, k)
+            assert ours.keys() == ref_sd["state"][i].keys()
+        assert n_master > 0
+        # state_dict round trip into a fresh optimizer: fp32 stays fp32, and it goes on identically
+        model2 = copy.deepcopy(model)
+        opt2 = Optimizer(
+            torch.optim.AdamW,
+            model2.parameters(),
+            tmp_path / "b",
+            lr=1e-2,
+            weight_decay=0.1,
+            budget="48K",
+            chunk_size="1K",
+            backend=backend,
+            master_weights=True,
+        )
+        try:
+            opt2.load_state_dict(sd)
+            back = opt2.state_dict()
+            for i, v in sd["state"].items():
+                for k, t in v.items():
+                    assert back["state"][i][k].dtype == t.dtype and torch.equal(back["state"][i][k], t)
+            for m, o in ((ref_model, ref), (model2, opt2)):
+                _mixed_step(m, m.scale, 9)
+                o.step()
+                o.zero_grad()
+            for p, q in zip(ref_model.parameters(), model2.parameters(), strict=True):
+                assert torch.equal(p, q)
+        finally:
+            opt2.close()
+    finally:
+        opt.close()

@@ -107,6 +107,10 @@ _LAZY: dict[str, tuple[str, str]] = {
         "aionvme.data.Loader: one shuffled epoch, fio randread alongside (-o sample=128K,batch=64,mode=sync)",
     ),
     "store": ("aionvme.bench.tiered:store_workload", "TieredStore put/get/host-hit (-o value=4M -o host=16)"),
+    "offload": (
+        "aionvme.bench.offload:offload_workload",
+        "offload.stream pass + Optimizer step vs their bounds",
+    ),
 }
 
 

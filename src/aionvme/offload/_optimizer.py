@@ -21,6 +21,8 @@ from ._state import BlobStore, open_blob_store
 __all__ = ["Optimizer"]
 
 _ALIGN = 64  # state tensors inside a blob start on cache-line boundaries
+_LOW = (torch.bfloat16, torch.float16)  # parameters that get an fp32 master with master_weights=True
+MASTER = "master"  # the state key of a parameter's fp32 master copy
 
 
 @dataclass
@@ -86,6 +88,13 @@ class Optimizer(torch.optim.Optimizer):
         the budget is its host tier, which keeps the hottest chunks in
         memory; ``"auto"`` is the same), or one O_DIRECT file (``"file"``;
         chunks that fit the budget next to the pipeline stay in memory).
+    master_weights : bool
+        Keep an fp32 master copy of every bf16/fp16 parameter in its state,
+        next to ``exp_avg``/``exp_avg_sq`` (so on NVMe too), as
+        mixed-precision trainers do: ``step()`` runs the optimizer on the
+        fp32 master with the gradient cast to fp32, and writes the master
+        rounded to the parameter's dtype into the parameter. The optimizer's
+        state is then fp32 as well. fp32 parameters are not affected.
     **kwargs
         The wrapped optimizer's arguments (lr, weight_decay, amsgrad, ...).
 
@@ -99,6 +108,16 @@ class Optimizer(torch.optim.Optimizer):
     ``state`` stays empty, since the state is not in memory: use
     :meth:`state_dict`, which reads it all and has the in-memory optimizer's
     layout (and :meth:`load_state_dict` takes one).
+
+    With ``master_weights=True`` the result equals, bit for bit, the
+    in-memory recipe: ``master = p.float()`` once, then at every step
+    ``master.grad = p.grad.float()``, the optimizer's step on ``master``,
+    ``p.copy_(master)``. :meth:`state_dict` gives each such parameter's
+    master under the key ``"master"`` (fp32) and its other state in fp32;
+    :meth:`load_state_dict` keeps fp32 values for them (torch's own loader
+    would cast them to the parameter's dtype). A parameter whose state has no
+    master gets one from its current value at its next step. The fp32
+    gradient copies are transient memory outside the budget.
     """
 
     def __init__(
@@ -110,9 +129,11 @@ class Optimizer(torch.optim.Optimizer):
         budget: int | str = "1G",
         chunk_size: int | str | None = None,
         backend: str = "auto",
+        master_weights: bool = False,
         **kwargs: Any,
     ) -> None:
         self._ready = False
+        self.master_weights = bool(master_weights)
         self._inner = optimizer_class(params, **kwargs)
         super().__init__(self._inner.param_groups, self._inner.defaults)
         self.param_groups = self._inner.param_groups
@@ -121,7 +142,9 @@ class Optimizer(torch.optim.Optimizer):
         self._store: BlobStore = open_blob_store(os.fspath(path), backend, self.budget // 2)
         # Adam keeps two states per parameter: a chunk's state is ~2x chunk_size,
         # and three chunks are in the pipeline (next to the store's host tier, if any).
-        default_chunk = self.budget // (16 if self._store.caches else 8)
+        # An fp32 master and fp32 state for a bf16 parameter: ~6x its bytes, not 2x.
+        low = master_weights and any(p.dtype in _LOW for g in self.param_groups for p in g["params"])
+        default_chunk = self.budget // ((16 if self._store.caches else 8) * (3 if low else 1))
         self.chunk_size = parse_size(chunk_size) if chunk_size is not None else max(1, default_chunk)
         self._chunks: list[_Chunk] = []
         self._chunked_groups: list[list[int]] = []
@@ -219,7 +242,11 @@ class Optimizer(torch.optim.Optimizer):
                     self._mark(c.key, "read-wait", t0, t_origin)
                 t0 = time.perf_counter()
                 self._install(c, blob)
-                self._run_inner(c)
+                stepped = self._to_masters(c)
+                try:
+                    self._run_inner(c, stepped)
+                finally:
+                    self._from_masters(c, stepped)
                 blob = self._pack(c, blob)
                 if id(c) + 1 in self.ledger.held:
                     self.ledger.release(id(c) + 1)
@@ -272,15 +299,52 @@ class Optimizer(torch.optim.Optimizer):
             if not state[p]:
                 del state[p]
 
-    def _run_inner(self, c: _Chunk) -> None:
-        """torch's step on this chunk's parameters alone."""
+    def _is_low(self, p: torch.Tensor) -> bool:
+        return self.master_weights and p.dtype in _LOW
+
+    def _to_masters(self, c: _Chunk) -> list[torch.Tensor]:
+        """The tensors the wrapped optimizer steps for this chunk: each
+        parameter, or its fp32 master (a view of the blob, or made from the
+        parameter) with the gradient cast to fp32; its state moves to the master."""
+        state = self._inner.state
+        out = []
+        for _, p in c.params:
+            if not self._is_low(p):
+                out.append(p)
+                continue
+            st = state.pop(p, {})
+            m = st.pop(MASTER, None)
+            if m is None:
+                m = p.detach().float()
+            m.grad = None if p.grad is None else p.grad.detach().float()
+            if st:
+                state[m] = st
+            out.append(m)
+        return out
+
+    def _from_masters(self, c: _Chunk, stepped: list[torch.Tensor]) -> None:
+        """Round each updated master into its parameter and give the state
+        (the master included) back to the parameter's key."""
+        state = self._inner.state
+        for (_, p), m in zip(c.params, stepped, strict=True):
+            if m is p:
+                continue
+            m.grad = None
+            p.copy_(m)
+            st = state.pop(m, {})
+            st[MASTER] = m
+            state[p] = st
+
+    def _run_inner(self, c: _Chunk, tensors: list[torch.Tensor] | None = None) -> None:
+        """torch's step on this chunk's parameters (or ``tensors`` in their
+        place, one each) alone."""
         groups = self._inner.param_groups
         saved = [g["params"] for g in groups]
         try:
             for g in groups:
                 g["params"] = []
-            for gi, p in c.params:
-                groups[gi]["params"].append(p)
+            for (gi, _p), t in zip(c.params, tensors or [q for _, q in c.params], strict=True):
+                groups[gi]["params"].append(t)
             self._inner.step()
         finally:
             for g, ps in zip(groups, saved, strict=True):
@@ -368,9 +432,25 @@ class Optimizer(torch.optim.Optimizer):
             c.resident, c.stored, c.spec, c.nbytes, c.extra = None, False, (), 0, {}
         self._inner.load_state_dict(state_dict)
         self.param_groups = self._inner.param_groups
+        if self.master_weights:
+            self._keep_fp32(state_dict)
         self._chunked_groups = []  # the group dicts are new objects
         self._rechunk()
         self._scatter_state()
+
+    def _keep_fp32(self, state_dict: dict[str, Any]) -> None:
+        """Put back the fp32 state (and masters) of low-precision parameters,
+        which torch's loader cast to the parameter's dtype. Saved ids map to
+        parameters in order, as torch's loader maps them."""
+        saved = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self._inner.param_groups for p in g["params"]]
+        for i, p in zip(saved, params, strict=True):
+            st = state_dict["state"].get(i)
+            if st is None or not self._is_low(p) or p not in self._inner.state:
+                continue
+            for k, v in st.items():
+                if k != "step" and isinstance(v, torch.Tensor) and v.is_floating_point():
+                    self._inner.state[p][k] = v.detach().to(device=p.device)
 
     # -- reporting and closing -----------------------------------------------------
 

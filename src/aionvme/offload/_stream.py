@@ -7,6 +7,9 @@ import asyncio
 import concurrent.futures
 import contextlib
 import os
+import shutil
+import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,6 +23,7 @@ from ..file import File
 from ..file import open as nvme_open
 from ..formats import TensorNotFoundError
 from ..memory import empty
+from ..store import StoreTimeoutError, TieredStore
 from ._index import Entry, WeightIndex, read_index
 from ._loop import LoopThread
 from ._planner import BudgetError, Ledger, ResidencyPlan, plan_residency, upcoming
@@ -48,7 +52,8 @@ class _Slot:
     buffer_refs: list[tuple[nn.Module, str]]  # every (module, name) holding it
     shape: tuple[int, ...]
     is_param: bool = False
-    pos: int = 0  # where its bytes land in the unit's buffer
+    run: int = 0  # the read (store key) of its unit that holds its bytes
+    pos: int = 0  # where its bytes are in that read
 
 
 @dataclass
@@ -58,6 +63,9 @@ class _Unit:
     roots: list[nn.Module]
     slots: list[_Slot]
     extents: list[tuple[str, int, int, int]] = field(default_factory=list)  # (file, offset, length, buf pos)
+    keys: list[tuple[int, int]] = field(default_factory=list)  # the store key of each extent
+    holds: list[Any] = field(default_factory=list)  # the store holds of its extents while resident
+    outside: int = 0  # bytes it holds outside the store (converted copies, a direct read)
     buf_bytes: int = 0
     nbytes: int = 0  # reserved while resident: the read buffer plus converted copies
     state: int = ABSENT
@@ -147,7 +155,6 @@ class Streamer:
         self._files: dict[str, File] = {}
         self._hooks: list[Any] = []
         self._closed = False
-        self.bytes_read = 0
         self.loads = 0
         self.hits = 0
         self.misses = 0
@@ -155,15 +162,40 @@ class Streamer:
         self.passes = 0
         self.timeline: list[tuple[str, str, float, float]] = []
         self._t0 = time.perf_counter()
+        self.direct_loads = 0
+        self.direct_bytes = 0
+        self._outside = 0  # bytes of weights held outside the store's host tier now (under _lock)
+        self._lock = threading.Lock()
+        self.peak_memory = 0  # sampled at every hook: store host tier + bytes outside it
+        self._evict_released = False  # True when blocks are converted: copies live outside the store
         self.units = self._build_units(dtype, source)
         self.schedule: list[int] = [u.id for u in self.units]
         self._recording: list[int] | None = None
         self._pos = 0
         self.ledger = Ledger(budget)
         self.plan = self._replan()
+        # The weights' home: a TieredStore whose host tier is the budget and whose
+        # NVMe tier is the checkpoint itself (attach: nothing is copied). Its own
+        # slab directory stays empty (nothing is put) and goes on close().
+        self._scratch = tempfile.mkdtemp(prefix="aionvme-stream-")
+        self._store = TieredStore(self._scratch, host=budget, persist=False)
+        if any(self._needs_copy(sl) for u in self.units for sl in u.slots):
+            self._evict_released = True
+        try:
+            self._loop.run(self._attach_all())
+        except BaseException:
+            self._loop.run(self._store.close())
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            raise
         # Everything is checked: only now is the model changed.
         self._detach_weights()
         self._install_hooks()
+        # Pinned blocks are read now, in order, so that they lie packed at the
+        # start of the store's host tier and leave its rest in one piece for
+        # the blocks that stream (the forward waits for them as for any read).
+        for uid in dict.fromkeys(self.schedule):
+            if uid in self.plan.pinned:
+                self._start_load(self.units[uid])
 
     # -- construction ------------------------------------------------------------
 
@@ -259,6 +291,11 @@ class Streamer:
             units.append(u)
         return units
 
+    async def _attach_all(self) -> None:
+        for u in self.units:
+            for key, (path, off, length, _pos) in zip(u.keys, u.extents, strict=True):
+                await self._store.attach(key, path, off, (length,), "uint8")
+
     def _target(self, model_dtype: torch.dtype, e: Entry, asked: torch.dtype | None) -> torch.dtype:
         stored: torch.dtype = getattr(torch, e.dtype)
         if asked is not None and stored.is_floating_point:
@@ -298,9 +335,11 @@ class Streamer:
                     _round_up(max(s.entry.offset + s.entry.nbytes for s in run), _ALIGN),
                     self.index.sizes[path],
                 )
-                u.extents.append((path, start, end - start, pos))
                 for s in run:
-                    s.pos = pos + s.entry.offset - start
+                    s.run = len(u.extents)
+                    s.pos = s.entry.offset - start
+                u.keys.append((u.id, len(u.extents)))
+                u.extents.append((path, start, end - start, pos))
                 pos += _round_up(end - start, _ALIGN)
         for s in u.slots:
             if self._needs_copy(s):
@@ -396,6 +435,7 @@ class Streamer:
         if u.state == LOADING:
             self._finish_load(u)
         self.wait_s += time.perf_counter() - t0
+        self._sample()
         u.active += 1
         self._top_up()
         self._mark(u.name, "wait", t0)
@@ -407,6 +447,12 @@ class Streamer:
         if u.active == 0 and u.state == READY and not self._keep(u):
             self._release(u)
         self._top_up()
+        self._sample()
+
+    def _sample(self) -> None:
+        """Weight bytes in memory now: the store's host tier and what is outside it."""
+        used = int(self._store.stats()["host"]["used"]) + self._outside
+        self.peak_memory = max(self.peak_memory, used)
 
     def _keep(self, u: _Unit) -> bool:
         return u.id in self.plan.pinned or u.id in upcoming(self.schedule, self._pos, self.prefetch)
@@ -471,7 +517,6 @@ class Streamer:
                     m._buffers[name] = t
         u.state = READY
         self.loads += 1
-        self.bytes_read += u.buf_bytes
 
     def _release(self, u: _Unit) -> None:
         for s in u.slots:
@@ -482,7 +527,30 @@ class Streamer:
                 for m, name in s.buffer_refs:
                     m._buffers[name] = ph
         u.state = ABSENT
+        holds, u.holds = u.holds, []
+        fut = self._loop.submit(self._unhold(u, holds))
+        if self._evict_released or self._outside > 0:
+            # the bytes must have left the store before the budget counts them free
+            fut.result()
+        # else: the holds end on the loop thread before any read submitted after
+        # this one starts (the loop runs them in order), with no round trip here
+        with self._lock:
+            self._outside -= u.outside
+            u.outside = 0
         self.ledger.release(u.id)
+
+    async def _unhold(self, u: _Unit, holds: list[Any]) -> None:
+        """End a unit's holds. Its bytes stay in the store's host tier (a later
+        load is a hit) until the store evicts them for another unit; unless
+        weights live outside the store too, which the budget must then cover:
+        the released bytes are dropped at once (they are never written back).
+        Runs on the loop thread, as every read, so no read slips in between."""
+        for h in holds:
+            await h.__aexit__(None, None, None)
+        if self._evict_released or self._outside > u.outside:
+            for k in u.keys:
+                if "host" in self._store.where(k):
+                    await self._store.evict(k)
 
     def _file(self, path: str) -> File:
         f = self._files.get(path)
@@ -490,25 +558,75 @@ class Streamer:
             f = self._files[path] = nvme_open(path, "r")
         return f
 
-    async def _read(self, u: _Unit) -> dict[int, torch.Tensor]:
-        """On the loop thread: one batched O_DIRECT request per file into one
-        page-aligned buffer; the tensors are views of it."""
-        t0 = time.perf_counter()
-        buf = empty(u.buf_bytes, "uint8", like="torch")
+    async def _hold_all(self, u: _Unit) -> list[torch.Tensor | None]:
+        """Hold every read of ``u`` in the store's host tier (loaded from the
+        checkpoint on a miss, all at once): views of the store's memory. None
+        for a read the tier has no room for without waiting: the ledger keeps
+        the held bytes within the budget, so its free space is in pieces."""
+        holds = [self._store.hold(k, timeout=0) for k in u.keys]
+        got = await asyncio.gather(*(h.__aenter__() for h in holds), return_exceptions=True)
+        other = [g for g in got if isinstance(g, BaseException) and not isinstance(g, StoreTimeoutError)]
+        if other:
+            for h in holds:
+                await h.__aexit__(None, None, None)  # a hold that failed has nothing to end
+            raise other[0]
+        u.holds = [h for h, g in zip(holds, got, strict=True) if not isinstance(g, BaseException)]
+        return [None if isinstance(g, BaseException) else g for g in got]
+
+    def _add_outside(self, u: _Unit, nbytes: int) -> None:
+        with self._lock:
+            u.outside += nbytes
+            self._outside += nbytes
+
+    async def _read_direct(self, u: _Unit, views: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        """The reads the store could not place, into memory of the unit's own
+        (one batched request per file): the fallback when the store's host tier
+        is too fragmented. Cached, unheld units are dropped from the store
+        first, and at every release while it is resident, so that the store's
+        host tier and this memory together stay within the budget."""
+        for v in self.units:
+            if v is not u and v.state == ABSENT:
+                for k in v.keys:
+                    if "host" in self._store.where(k):
+                        await self._store.evict(k)
+        missing = [j for j, v in enumerate(views) if v is None]
+        size = sum(_round_up(u.extents[j][2], _ALIGN) for j in missing)
+        buf = empty(size, "uint8", like="torch")
         by_file: dict[str, list[tuple[Any, int]]] = {}
-        for path, off, length, pos in u.extents:
-            by_file.setdefault(path, []).append((buf[pos : pos + length], off))
+        out = list(views)
+        pos = 0
+        for j in missing:
+            path, off, length, _ = u.extents[j]
+            out[j] = buf[pos : pos + length]
+            by_file.setdefault(path, []).append((out[j], off))
+            pos += _round_up(length, _ALIGN)
         await asyncio.gather(*(self._file(p).pread_many(items) for p, items in by_file.items()))
+        self.direct_loads += 1
+        self.direct_bytes += sum(u.extents[j][2] for j in missing)
+        self._add_outside(u, size)
+        return [v for v in out if v is not None]
+
+    async def _read(self, u: _Unit) -> dict[int, torch.Tensor]:
+        """On the loop thread: the unit's reads held in the store (or read
+        directly, see _read_direct); the tensors are views of them."""
+        t0 = time.perf_counter()
+        held = await self._hold_all(u)
+        if any(v is None for v in held):
+            views = await self._read_direct(u, held)
+        else:
+            views = [v for v in held if v is not None]
         self._mark(u.name, "io", t0)
         out: dict[int, torch.Tensor] = {}
         copies: list[int] = []
         for k, s in enumerate(u.slots):
             e = s.entry
             stored = getattr(torch, e.dtype)
+            raw = views[s.run][s.pos : s.pos + e.nbytes]
             if s.pos % _itemsize(e.dtype) == 0:
-                out[k] = buf[s.pos : s.pos + e.nbytes].view(stored).view(e.shape)
+                out[k] = raw.view(stored).view(e.shape)
             else:
-                out[k] = buf[s.pos : s.pos + e.nbytes].clone().view(stored).view(e.shape)
+                out[k] = raw.clone().view(stored).view(e.shape)
+                self._add_outside(u, e.nbytes)
             if self._needs_copy(s):
                 copies.append(k)
         if copies:
@@ -518,6 +636,9 @@ class Streamer:
                     out[k] = out[k].to(device=self.device, dtype=u.slots[k].target)
 
             await asyncio.to_thread(convert)
+            self._add_outside(
+                u, sum(out[k].numel() * out[k].element_size() for k in copies if out[k].device.type == "cpu")
+            )
         return out
 
     # -- reporting ---------------------------------------------------------------
@@ -531,11 +652,23 @@ class Streamer:
         if len(self.timeline) < _TIMELINE_MAX:
             self.timeline.append((name, kind, t0 - self._t0, t1 - self._t0))
 
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read from the checkpoint (through the store, and direct reads)."""
+        return int(self._store.stats()["nvme"]["bytes_out"]) + self.direct_bytes
+
     def stats(self) -> dict[str, Any]:
         """Counters: bytes read, loads, hits and misses at the hooks, seconds
-        the forward waited for reads, resident bytes now and at peak, the budget."""
+        the forward waited for reads, resident bytes now and at peak (as
+        reserved by the planner, and as measured: the store's host tier plus
+        copies outside it, sampled at every hook), the budget."""
+        st = self._store.stats()
         return {
             "bytes_read": self.bytes_read,
+            "store_host_bytes": int(st["host"]["used"]),
+            "store_evictions": int(st["host"]["evictions"]),
+            "direct_loads": self.direct_loads,
+            "peak_memory_bytes": self.peak_memory,
             "loads": self.loads,
             "hits": self.hits,
             "misses": self.misses,
@@ -575,13 +708,17 @@ class Streamer:
         self._files.clear()
 
         async def close_files() -> None:
-            for f in files:
-                await f.aclose()
+            try:
+                await self._store.close()
+            finally:
+                for f in files:
+                    await f.aclose()
 
         try:
             self._loop.run(close_files())
         finally:
             self._loop.close()
+            shutil.rmtree(self._scratch, ignore_errors=True)
         if getattr(self.model, _ATTR, None) is self:
             delattr(self.model, _ATTR)
 
@@ -647,10 +784,18 @@ def stream(
     -----
     Blocks are the children of the model's largest ``nn.ModuleList`` (its
     repeated layers); the rest of the model forms one unit per top-level
-    submodule (modules sharing tied weights form one). A block's tensors are
-    read with one batched O_DIRECT request per file into one page-aligned
-    buffer and used as views of it (no copy unless a dtype or device change
-    is needed). Reads run on a private event-loop thread, so the forward
+    submodule (modules sharing tied weights form one). The weights live in an
+    :class:`aionvme.TieredStore` whose host tier is ``budget`` and whose NVMe
+    tier is the checkpoint itself (:meth:`~aionvme.TieredStore.attach`: no
+    copy on disk; its own slab, in a temporary directory, stays empty): each
+    run of a block's tensors in a file is one key, held in the host tier while
+    the block is resident and used in place (no copy unless a dtype or device
+    change is needed). A released block stays in the host tier until the
+    store evicts it for another (a later pass may find it there); evicting
+    never writes. When the tier's free space is too fragmented to place a
+    read, that read goes to memory of its own instead (``direct_loads`` in
+    :meth:`Streamer.stats`), counted in the same budget, and released blocks
+    are dropped at once while it is resident. Reads run on a private event-loop thread, so the forward
     (synchronous) computes while the next ``prefetch`` blocks are read. The
     first pass records the order in which blocks run; the residency plan
     pins as many blocks as the budget allows (all of them when the model

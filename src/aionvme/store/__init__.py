@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from ._alloc import ExtentAllocator
 from ._errors import (
+    AttachError,
     JournalError,
     StoreClosedError,
     StoreError,
@@ -37,6 +38,7 @@ from ._sync import SyncTieredStore
 __all__ = [
     "Admission",
     "AdmitAll",
+    "AttachError",
     "EvictionPolicy",
     "ExtentAllocator",
     "JournalError",

@@ -8,6 +8,7 @@ import os
 from ..exceptions import AionvmeError
 
 __all__ = [
+    "AttachError",
     "JournalError",
     "StoreClosedError",
     "StoreError",
@@ -54,3 +55,8 @@ class StoreKeyTypeError(StoreError, TypeError):
 
 class JournalError(StoreError, ValueError):
     """A persistent store's index files are not ones this version can read."""
+
+
+class AttachError(StoreError, ValueError):
+    """``TieredStore.attach`` refused: a persistent store, a region outside the
+    file, or a shape and dtype that do not match the region's length."""

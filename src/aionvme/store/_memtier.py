@@ -88,6 +88,9 @@ class MemTier:
             self.entries[entry] = None
             self.policy.insert(entry, entry.nbytes)
             self.stats["bytes_in"] += entry.nbytes
+            # a new candidate for eviction: a waiter that found nothing to evict
+            # while this entry was being filled must look again
+            self.notify()
 
     def discard(self, entry: Any) -> None:
         if entry in self.entries:

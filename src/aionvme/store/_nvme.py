@@ -5,6 +5,10 @@ An extent list describes where a value's bytes live: ``(slab, offset,
 buf_offset, nbytes)`` per piece, ``buf_offset`` being the piece's place in the
 value. Pieces start on 4096-byte boundaries in the file and in the value, so
 page-aligned buffers move zero-copy with O_DIRECT.
+
+A negative slab index ``-(j + 1)`` names the j-th *source* instead: a file the
+store only reads (values attached in place, see ``TieredStore.attach``). Its
+pieces are never allocated, freed, moved or written, and may start anywhere.
 """
 
 from __future__ import annotations
@@ -85,6 +89,8 @@ class NvmeTier:
         self.stripe = stripe
         self.persist = persist
         self.slabs: list[Slab] = []
+        self.sources: list[_file.File] = []  # read-only files of attached values
+        self._source_index: dict[str, int] = {}
         per = None if capacity is None else round_up(max(capacity // len(self.dirs), ALIGN))
         tag = "" if persist else f".{os.getpid()}.{secrets.token_hex(4)}"
         try:
@@ -228,7 +234,21 @@ class NvmeTier:
 
     def free(self, ext: Extents) -> None:
         for i, off, _boff, n in ext:
-            self.slabs[i].alloc.free(off, n)
+            if i >= 0:  # a source's bytes are the file's own
+                self.slabs[i].alloc.free(off, n)
+
+    def source(self, path: str) -> tuple[int, int]:
+        """The (negative) slab index of a read-only source file, opened once,
+        and the file's size."""
+        path = os.path.abspath(path)
+        j = self._source_index.get(path)
+        if j is None:
+            self.sources.append(_file.File(path, "r"))
+            j = self._source_index[path] = len(self.sources) - 1
+        return -(j + 1), self.sources[j].size()
+
+    def _file_of(self, i: int) -> _file.File:
+        return self.slabs[i].file if i >= 0 else self.sources[-i - 1]
 
     def reserve(self, ext: Extents) -> None:
         """Mark extents used (rebuilding from a journal)."""
@@ -246,14 +266,15 @@ class NvmeTier:
             size = len(raw)
             for i, off, boff, n in ext:
                 rn = round_up(n)
-                ln = rn if boff + rn <= size else n  # whole pages where the buffer has them
+                # whole pages where the buffer has them (a source's length is exact: it may end the file)
+                ln = rn if i >= 0 and boff + rn <= size else n
                 per.setdefault(i, []).append((raw[boff : boff + ln], off))
         return per
 
     async def _run(self, jobs: Sequence[tuple[Extents, Any]], write: bool) -> None:
         per = self._items(jobs)
         futs = [
-            (self.slabs[i].file.pwrite_many(items) if write else self.slabs[i].file.pread_many(items))
+            (self._file_of(i).pwrite_many(items) if write else self._file_of(i).pread_many(items))
             for i, items in per.items()
         ]
         if len(futs) == 1:
@@ -279,6 +300,10 @@ class NvmeTier:
         await asyncio.gather(*(s.file.fdatasync() for s in self.slabs))
 
     def close(self, remove: bool) -> None:
+        for f in self.sources:
+            f.close()  # never removed: the store only read them
+        self.sources.clear()
+        self._source_index.clear()
         for s in self.slabs:
             s.file.close()
             if remove:

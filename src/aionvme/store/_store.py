@@ -17,6 +17,7 @@ from .. import defaults, memory
 from ..exceptions import DeviceError
 from ._alloc import round_up
 from ._errors import (
+    AttachError,
     StoreClosedError,
     StoreFullError,
     StoreKeyError,
@@ -27,7 +28,7 @@ from ._journal import Journal, load_index
 from ._memtier import GpuTier, HostTier, MemTier
 from ._nvme import Extents, NvmeTier
 from ._policy import Admission, EvictionPolicy, make_admission, make_policy
-from ._values import Meta, check_out, describe, flat_bytes, is_cuda, result_like, view_as
+from ._values import Meta, check_out, describe, flat_bytes, is_cuda, numel, result_like, view_as
 
 __all__ = ["TieredStore"]
 
@@ -1088,6 +1089,91 @@ class TieredStore:
             for i, v in zip(warm, got):
                 res[i] = v
         return res
+
+    # -- attach: read-only values backed by a region of an existing file ----------------------
+
+    async def attach(
+        self,
+        key: Hashable,
+        path: str | os.PathLike[str],
+        offset: int,
+        shape: Sequence[int],
+        dtype: str = "uint8",
+        *,
+        like: str = "torch",
+    ) -> None:
+        """Add a read-only value whose NVMe copy is a region of an existing file.
+
+        Parameters
+        ----------
+        key : hashable
+            Its key (an existing key is replaced, as by ``put``).
+        path : str or os.PathLike
+            The file (a safetensors shard, a raw weight file...). It is opened
+            once per store, read only, never written, and not removed by
+            :meth:`close`.
+        offset : int
+            Where the value's bytes start in the file (any offset).
+        shape, dtype : sequence of int, str
+            The value's shape and dtype name (``"bfloat16"``, ``"float32"``;
+            a numpy dtype string with ``like="numpy"``): ``nbytes`` follow.
+        like : {'torch', 'numpy'}
+            What ``get`` and ``hold`` return.
+
+        Raises
+        ------
+        AttachError
+            A persistent store (``persist=True``), a region past the end of the
+            file, or a negative offset. ``OSError`` (with the filename) if the
+            file cannot be opened.
+
+        Notes
+        -----
+        Nothing is copied: the file *is* the key's NVMe tier. ``get``,
+        ``get_many``, ``prefetch`` and ``hold`` read it (straight into the
+        result, or into the host tier under its capacity and eviction policy,
+        as for any key); evicting its host copy drops it, since the file still
+        holds the bytes, so an attached value is never written back. The file
+        must not change while attached. ``put`` or ``delete`` of the key
+        forgets the region (the file is left alone).
+        """
+        self._enter()
+        if self.persist:
+            raise AttachError(
+                "attach() needs a scratch store (persist=False): its index cannot name other files"
+            )
+        if like == "torch":
+            import torch
+
+            from ._values import torch_dtype
+
+            item = int(torch.empty(0, dtype=torch_dtype(dtype)).element_size())
+            name = dtype
+        elif like == "numpy":
+            item = np.dtype(dtype).itemsize
+            name = np.dtype(dtype).str
+        else:
+            raise ValueError(f"like must be 'torch' or 'numpy', got {like!r}")
+        shp = tuple(int(d) for d in shape)
+        nbytes = numel(shp) * item
+        if offset < 0 or min(shp, default=0) < 0:
+            raise AttachError(f"offset and shape must be >= 0, got {offset} and {shp}")
+        loop = asyncio.get_running_loop()
+        fname = os.fspath(path)
+        si, size = await loop.run_in_executor(None, self._nvme.source, fname)
+        if offset + nbytes > size:
+            raise AttachError(
+                f"{fname}: the region [{offset}, {offset + nbytes}) is past the end of the file "
+                f"({size} bytes)"
+            )
+        async with self._writer(key):
+            e = Entry(key, Meta(like, name, shp, nbytes))
+            e.disk = [(si, int(offset), 0, nbytes)] if nbytes else None
+            old = self._index.get(key)
+            self._index[key] = e
+            if old is not None:
+                self._retire(old)
+            self.admission.forget(key)
 
     # -- prefetch / hold / evict / delete --------------------------------------------------
 

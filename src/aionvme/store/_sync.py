@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 from collections.abc import Coroutine, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
@@ -45,6 +46,19 @@ class SyncTieredStore:
 
     def put_many(self, items: Mapping[Hashable, Any], *, timeout: float | None = None) -> None:
         self._run(self.aio.put_many(items, timeout=timeout))
+
+    def attach(
+        self,
+        key: Hashable,
+        path: str | os.PathLike[str],
+        offset: int,
+        shape: Sequence[int],
+        dtype: str = "uint8",
+        *,
+        like: str = "torch",
+    ) -> None:
+        """:meth:`TieredStore.attach`: a read-only value backed by a file region."""
+        self._run(self.aio.attach(key, path, offset, shape, dtype, like=like))
 
     def get(
         self, key: Hashable, device: str = "cpu", *, out: Any = None, timeout: float | None = None
