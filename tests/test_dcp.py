@@ -313,6 +313,40 @@ def test_stager_copies_into_page_aligned_memory(tmp_path: Path) -> None:
     w.close()
 
 
+class _ThreadProbe:
+    """A non-tensor state-dict value: stage() deep-copies it, recording torch's
+    intra-op thread count at that moment."""
+
+    seen: list[int] = []
+
+    def __deepcopy__(self, memo: Any) -> _ThreadProbe:
+        _ThreadProbe.seen.append(torch.get_num_threads())
+        return _ThreadProbe()
+
+
+def test_stager_fresh_copies_and_copy_threads_per_local_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = {"a": torch.randn(300, 1000), "b": torch.arange(5), "e": torch.zeros(0, 3), "p": _ThreadProbe()}
+    w = aionvme.dcp.Writer(tmp_path / "ck")  # no cache: fresh small-page buffers every time
+    staged = w.stage(src)
+    again = w.stage(src)
+    for s in (staged, again):
+        assert aionvme.is_aligned(s["a"]) and s["a"].data_ptr() != src["a"].data_ptr()
+        assert torch.equal(s["a"], src["a"]) and torch.equal(s["b"], src["b"]) and s["e"].shape == (0, 3)
+    assert staged["a"].data_ptr() != again["a"].data_ptr()
+    src["a"].zero_()
+    assert not torch.equal(staged["a"], src["a"])
+    before = torch.get_num_threads()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # 8 ranks on 4 CPUs: one thread each
+    _ThreadProbe.seen.clear()
+    w.stage(src)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    w.stage(src)
+    assert _ThreadProbe.seen == [1, before] and torch.get_num_threads() == before
+
+
 def test_async_save_returns_after_the_copy(tmp_path: Path) -> None:
     sd = {"w": torch.randn(2000, 100), "step": 1}
     want = {"w": sd["w"].clone(), "step": 1}

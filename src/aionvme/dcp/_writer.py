@@ -48,7 +48,7 @@ from ..file import File
 from ..memory import empty
 from ._common import METADATA, PAGE, SUFFIX, run
 from ._record import template
-from ._stage import Stager
+from ._stage import Stager, small_pages
 
 __all__ = ["Writer"]
 
@@ -117,7 +117,7 @@ def _host_contiguous(t: torch.Tensor) -> torch.Tensor:
         t = t.resolve_conj().resolve_neg()
     if t.device.type == "cpu" and t.is_contiguous():
         return t
-    out: torch.Tensor = empty(tuple(t.shape), t.dtype, like="torch")
+    out = small_pages(t)
     out.copy_(t)
     return out
 
