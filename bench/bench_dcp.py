@@ -71,7 +71,8 @@ def _worker(rank: int, world: int, port: str, base: str, per_rank: int, threads:
     import aionvme.dcp
 
     warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    # all ranks on this machine, as torchrun says it (the stager shares the CPUs by it)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, LOCAL_WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     sd = _state(rank, per_rank)
     res: dict[str, Any] = {"cold": True}

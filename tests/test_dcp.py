@@ -111,7 +111,7 @@ def test_checkpoints_load_with_either_reader(tmp_path: Path, writer: str, reader
         assert stats["direct_bytes"] >= want["model"]["big"].nbytes
 
 
-def test_layout_records_are_torch_save_archives_with_page_aligned_data(tmp_path: Path) -> None:
+def test_layout_records_are_torch_save_archives_with_data_placed_like_its_memory(tmp_path: Path) -> None:
     want = _state(4)
     _save(want, tmp_path / "ck", "ours")
     files = [n for n in os.listdir(tmp_path / "ck") if n.endswith(".distcp")]
@@ -128,15 +128,93 @@ def test_layout_records_are_torch_save_archives_with_page_aligned_data(tmp_path:
         if index.fqn.startswith(("model.", "optim.")):
             lay = _record.parse(rec, rec, len(rec))
             assert lay is not None, index.fqn
-            if lay.storage_numel:  # a tensor with bytes: they start on a page
-                assert (info.offset + lay.data_offset) % 4096 == 0, index.fqn
-            t = torch.load(io.BytesIO(rec), weights_only=True)
             src = want
             for part in index.fqn.split("."):
                 src = src[int(part)] if part.isdigit() else src[part]
+            if src.nbytes >= 2 * 4096:  # spans whole pages: the file's offsets agree with the memory's
+                addr = src.data_ptr() if src.is_contiguous() and not src.is_conj() else 0  # else a copy
+                assert (info.offset + lay.data_offset) % 4096 == addr % 4096, index.fqn
+            t = torch.load(io.BytesIO(rec), weights_only=True)
             _equal(t, src, index.fqn)
             tensors += 1
     assert tensors == 15
+
+
+def _at(pool: torch.Tensor, residue: int, nbytes: int, dtype: torch.dtype, used: list[int]) -> torch.Tensor:
+    """A contiguous view of ``pool`` (uint8) at an address that is ``residue``
+    modulo 4096, past the views already made (``used``: the next free byte)."""
+    base = pool.data_ptr()
+    off = used[0] + (residue - base - used[0]) % 4096
+    used[0] = off + nbytes
+    return pool[off : off + nbytes].view(dtype)
+
+
+# (address modulo 4096, bytes, dtype): tensors at no page boundary, of odd sizes
+_ODD = [
+    (0, 3 * 4096, torch.float32),
+    (64, 3 * 4096 + 100, torch.float32),  # where torch's allocator puts big tensors
+    (1, 2 * 4096 + 1, torch.uint8),
+    (4095, 4097, torch.uint8),
+    (2, 4096 * 2 + 6, torch.bfloat16),
+    (100, 5 * 4096 - 4, torch.float16),
+    (4088, 4096 + 8, torch.float64),
+    (8, 3 * 4096, torch.complex64),
+    (3, 4096 - 3, torch.bool),  # no whole page
+    (12, 40, torch.int32),
+]
+
+
+def _same_bytes(got: dict[str, Any], want: dict[str, Any], where: str = "") -> None:
+    """Equal keys, dtypes, shapes and bytes (random bytes make NaNs: no ==)."""
+    assert set(got) == set(want), where
+    for k, w in want.items():
+        g = got[k]
+        assert g.dtype == w.dtype and g.shape == w.shape, (where, k)
+        assert torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)), (where, k)
+
+
+def test_tensors_at_any_address_round_trip_zero_copy(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(11)
+    pool = torch.randint(
+        0, 256, (sum(n for _, n, _ in _ODD) + 4096 * (len(_ODD) + 1),), dtype=torch.uint8, generator=g
+    )
+    used = [0]
+    want = {f"t{i}": _at(pool, r, n, dt, used) for i, (r, n, dt) in enumerate(_ODD)}
+    want["bool"] = want.pop(f"t{_ODD.index(_ODD[8])}") != 0  # real bools (0/1), torch-allocated
+    f32 = want["t1"]
+    want["strided"] = f32[: (f32.numel() // 6) * 6].view(-1, 6)[:, ::2]  # not contiguous: copied
+    want["rows"] = f32[: (f32.numel() // 6) * 6].view(-1, 6)[3:]  # contiguous, with a storage offset
+    _save(want, tmp_path / "ck", "ours")
+    (name,) = [n for n in os.listdir(tmp_path / "ck") if n.endswith(".distcp")]
+    raw = (tmp_path / "ck" / name).read_bytes()
+    with open(tmp_path / "ck" / ".metadata", "rb") as fh:
+        md = pickle.load(fh)
+    for index, info in md.storage_data.items():
+        src = want[index.fqn]
+        rec = raw[info.offset : info.offset + info.length]
+        lay = _record.parse(rec, rec, len(rec))
+        assert lay is not None, index.fqn
+        if src.nbytes >= 2 * 4096:
+            addr = src.data_ptr() if src.is_contiguous() else 0  # a copy into page-aligned memory
+            assert (info.offset + lay.data_offset) % 4096 == addr % 4096, index.fqn
+        _same_bytes({"t": torch.load(io.BytesIO(rec), weights_only=True)}, {"t": src}, index.fqn)
+    for reader in ("ours", "torch"):
+        got = _zeros_like(want)
+        _load(got, tmp_path / "ck", reader)
+        _same_bytes(got, want, reader)
+    # into destinations at other odd addresses than the sources had
+    dst_pool = torch.zeros(pool.numel() + 4096, dtype=torch.uint8)
+    used = [1]
+    got = {
+        k: _at(dst_pool, (r + 7 * i) % 4096 // dt.itemsize * dt.itemsize, n, dt, used)
+        for i, (k, (r, n, dt)) in enumerate(zip([f"t{i}" for i in range(len(_ODD))], _ODD))
+    }
+    got = {k: v for k, v in got.items() if k in want}
+    got["bool"], got["strided"], got["rows"] = (
+        torch.zeros_like(want[k]) for k in ("bool", "strided", "rows")
+    )
+    _load(got, tmp_path / "ck", "ours")
+    _same_bytes(got, want, "odd destinations")
 
 
 def test_overwrite_commits_then_removes_the_old_files(tmp_path: Path) -> None:
@@ -233,6 +311,40 @@ def test_stager_copies_into_page_aligned_memory(tmp_path: Path) -> None:
     assert torch.equal(again["a"], src["a"])
     assert w.last_stage_seconds > 0
     w.close()
+
+
+class _ThreadProbe:
+    """A non-tensor state-dict value: stage() deep-copies it, recording torch's
+    intra-op thread count at that moment."""
+
+    seen: list[int] = []
+
+    def __deepcopy__(self, memo: Any) -> _ThreadProbe:
+        _ThreadProbe.seen.append(torch.get_num_threads())
+        return _ThreadProbe()
+
+
+def test_stager_fresh_copies_and_copy_threads_per_local_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = {"a": torch.randn(300, 1000), "b": torch.arange(5), "e": torch.zeros(0, 3), "p": _ThreadProbe()}
+    w = aionvme.dcp.Writer(tmp_path / "ck")  # no cache: fresh small-page buffers every time
+    staged = w.stage(src)
+    again = w.stage(src)
+    for s in (staged, again):
+        assert aionvme.is_aligned(s["a"]) and s["a"].data_ptr() != src["a"].data_ptr()
+        assert torch.equal(s["a"], src["a"]) and torch.equal(s["b"], src["b"]) and s["e"].shape == (0, 3)
+    assert staged["a"].data_ptr() != again["a"].data_ptr()
+    src["a"].zero_()
+    assert not torch.equal(staged["a"], src["a"])
+    before = torch.get_num_threads()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # 8 ranks on 4 CPUs: one thread each
+    _ThreadProbe.seen.clear()
+    w.stage(src)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    w.stage(src)
+    assert _ThreadProbe.seen == [1, before] and torch.get_num_threads() == before
 
 
 def test_async_save_returns_after_the_copy(tmp_path: Path) -> None:

@@ -6,11 +6,14 @@ it): ``.distcp`` data files holding, per item, a whole torch.save archive (a
 tensor) or the raw bytes (other objects), and a pickled ``Metadata`` in
 ``.metadata`` whose ``storage_data`` maps each item to
 ``_StorageInfo(relative_path, offset, length)``. The layout differs only in
-where the records sit: each tensor's storage bytes start on a 4 KiB boundary
-of the file, so they go from the tensor's memory to the device with O_DIRECT,
-and all the small pieces (the archives' headers and trailers, the byte items,
-the partial pages at the ends of tensors) are gathered into page-aligned
-buffers. Every write is whole pages: no read-modify-write.
+where the records sit: each tensor's storage bytes start at a file offset
+equal to their address modulo 4 KiB, so the whole pages of the tensor's
+memory are whole pages of the file and go to the device with O_DIRECT,
+without a copy, wherever torch's allocator put the tensor (64 bytes past a
+page, typically); all the small pieces (the archives' headers and trailers,
+the byte items, the partial pages at the ends of tensors, tensors spanning no
+whole page) are gathered into page-aligned buffers. Every write is whole
+pages: no read-modify-write.
 
 Crash safety: data files get fresh names in every save (a random token in
 the name), are fsynced, and their directory entries too, before the metadata
@@ -43,9 +46,9 @@ from torch.futures import Future
 from ..atomic import atomic_write, fsync_dir
 from ..file import File
 from ..memory import empty
-from ._common import METADATA, PAGE, SUFFIX, align_up, run
+from ._common import METADATA, PAGE, SUFFIX, run
 from ._record import template
-from ._stage import Stager
+from ._stage import Stager, small_pages
 
 __all__ = ["Writer"]
 
@@ -114,7 +117,7 @@ def _host_contiguous(t: torch.Tensor) -> torch.Tensor:
         t = t.resolve_conj().resolve_neg()
     if t.device.type == "cpu" and t.is_contiguous():
         return t
-    out: torch.Tensor = empty(tuple(t.shape), t.dtype, like="torch")
+    out = small_pages(t)
     out.copy_(t)
     return out
 
@@ -154,14 +157,26 @@ class _Layout:
             self.add_bytes(item, tpl.head + tpl.tail)
             return
         head = len(tpl.head)
-        start = align_up(self.pos + head) - head  # the storage bytes start on a page
-        body = nbytes // PAGE * PAGE
-        self.pages.add(start, tpl.head)
+        # The storage bytes go where their file offset and their address agree
+        # modulo the page: the whole pages the tensor spans in memory are then
+        # pages of the file, written straight from the tensor (a torch-allocated
+        # tensor sits 64 bytes past a page); only the partial pages at its two
+        # ends are copied, into the gathered buffers with the archive's pieces.
+        # A tensor that spans no whole page is packed after the previous item.
+        addr = data.data_ptr() % PAGE
+        lead = (PAGE - addr) % PAGE
+        body = (nbytes - lead) // PAGE * PAGE if nbytes > lead else 0
         if body:
-            self.bodies.append((data[:body], start + head))
-        if nbytes > body:
-            self.pages.add(start + head + body, data[body:])
-        self.pages.add(start + head + nbytes, tpl.tail)
+            at = self.pos + head + (addr - self.pos - head) % PAGE  # storage bytes' file offset
+        else:
+            at, lead = self.pos + head, nbytes
+        start = at - head
+        self.pages.add(start, tpl.head)
+        self.pages.add(at, data[:lead])
+        if body:
+            self.bodies.append((data[lead : lead + body], at + lead))
+        self.pages.add(at + lead + body, data[lead + body :])
+        self.pages.add(at + nbytes, tpl.tail)
         length = head + nbytes + len(tpl.tail)
         self.keep.append(t)
         self._result(item, start, length)
@@ -215,9 +230,11 @@ class Writer(StorageWriter, Stager):
     Notes
     -----
     Each rank writes one file, ``__{rank}_{token}_0.distcp``, in one batch of
-    O_DIRECT writes: tensors' storage bytes straight from their memory (a
-    tensor that is not contiguous, or not on the CPU, is first copied into
-    page-aligned memory), everything else from page-aligned buffers. The file
+    O_DIRECT writes: the whole pages of each tensor's memory straight from
+    it, at file offsets that agree with their addresses modulo 4 KiB, so
+    tensors at any address are written without a copy (one that is not
+    contiguous, or not on the CPU, is first copied into page-aligned memory);
+    everything else from page-aligned buffers. The file
     is fsynced, then the directory. The coordinator then writes ``.metadata``
     atomically: a crash at any point leaves the previous checkpoint in
     ``path`` loadable, or the new one complete.
