@@ -584,13 +584,19 @@ class Streamer:
         is too fragmented. Cached, unheld units are dropped from the store
         first, and at every release while it is resident, so that the store's
         host tier and this memory together stay within the budget."""
+        missing = [j for j, v in enumerate(views) if v is None]
+        size = sum(_round_up(u.extents[j][2], _ALIGN) for j in missing)
+        # Counted before anything is awaited: a unit released from now on drops
+        # its bytes from the store (see _release/_unhold) instead of leaving them
+        # cached while the budget already counts them free. Counted after the
+        # read, as before, a release during it let the store keep those bytes
+        # next to this memory (peak 1.3-1.4x the budget in test_offload_stream).
+        self._add_outside(u, size)
         for v in self.units:
             if v is not u and v.state == ABSENT:
                 for k in v.keys:
                     if "host" in self._store.where(k):
-                        await self._store.evict(k)
-        missing = [j for j, v in enumerate(views) if v is None]
-        size = sum(_round_up(u.extents[j][2], _ALIGN) for j in missing)
+                        await self._store.evict(k)  # waits for a hold that is still ending
         buf = empty(size, "uint8", like="torch")
         by_file: dict[str, list[tuple[Any, int]]] = {}
         out = list(views)
@@ -603,7 +609,6 @@ class Streamer:
         await asyncio.gather(*(self._file(p).pread_many(items) for p, items in by_file.items()))
         self.direct_loads += 1
         self.direct_bytes += sum(u.extents[j][2] for j in missing)
-        self._add_outside(u, size)
         return [v for v in out if v is not None]
 
     async def _read(self, u: _Unit) -> dict[int, torch.Tensor]:
