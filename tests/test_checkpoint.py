@@ -429,7 +429,7 @@ def test_ctrl_c_during_a_blocking_save_cancels_it_and_keeps_the_old_file(tmp_dir
         f"""
 import asyncio, os, signal, sys, threading, time
 import numpy as np, aionvme as nvme
-from aionvme.formats import _background
+from aionvme._runtime import background as _background
 path = {str(path)!r}
 nvme.sync_save({{"w": np.zeros(4)}}, path)
 old = open(path, "rb").read()

@@ -36,10 +36,10 @@ from typing import Any
 
 import numpy as np
 
+from .._runtime import background as _background
 from ..atomic import atomic_write
 from ..file import PathLike
 from ..memory import empty
-from . import _background
 from ._header import METADATA_KEY, SafetensorsError, TensorInfo
 from ._prefault import Prefault
 from ._safetensors import convert, plan, read_file, save_safetensors

@@ -1,5 +1,6 @@
-"""Blocking calls for code without an event loop: the formats' coroutines run
-on one event loop in a daemon thread, shared by the whole process.
+"""One event loop in a daemon thread, shared by the whole process: the formats'
+blocking twins and the DeepSpeed handle's async operations run their
+coroutines on it.
 
 A fresh loop per call (``asyncio.run``) costs ~35 ms here, mostly making and
 closing the loop's I/O engine; a hop to a loop that is already running costs
@@ -40,7 +41,7 @@ class BackgroundLoop:
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self._run, name="aionvme-formats", daemon=True)
+        self.thread = threading.Thread(target=self._run, name="aionvme-background", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
