@@ -1,25 +1,51 @@
-"""One event loop in a daemon thread, shared by the whole process: the formats'
-blocking twins and the DeepSpeed handle's async operations run their
-coroutines on it.
+"""One event loop in a daemon thread, shared by the whole process.
+
+Blocking code reaches aionvme's coroutines through it: the formats' blocking
+twins (``sync_save``, ``sync_load``, ...), ``sync_save_in_background``, the
+DeepSpeed handle, the DCP storage reader and writer, ``SyncTieredStore`` and
+the offload optimizer and streamer. One thread and one engine serve them all,
+instead of one of each per module (or per object).
 
 A fresh loop per call (``asyncio.run``) costs ~35 ms here, mostly making and
 closing the loop's I/O engine; a hop to a loop that is already running costs
-a few tens of microseconds. The same loop owns the writes that
-:func:`aionvme.sync_save_in_background` leaves running.
+a few tens of microseconds.
+
+- Started on first use. A forked child gets a fresh one on its first use
+  (threads are not copied by fork; the parent's engines are abandoned in the
+  child by the reactor's fork hook).
+- :meth:`BackgroundLoop.run` blocks; Ctrl-C (or any exception raised in the
+  waiting thread) cancels the coroutine and waits until it has ended, so no
+  transfer still fills the caller's memory when the exception propagates.
+- :meth:`BackgroundLoop.submit` returns a ``concurrent.futures.Future``.
+- At interpreter exit, what still runs is finished (a background save writes
+  its file), except tasks marked with :func:`cancel_at_exit`, which are
+  cancelled; then the loop and its engine are closed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import os
 import threading
+import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["BackgroundLoop", "background", "no_running_loop", "run"]
+__all__ = [
+    "THREAD_NAME",
+    "BackgroundLoop",
+    "background",
+    "cancel_at_exit",
+    "is_background",
+    "no_running_loop",
+    "run",
+]
 
 T = TypeVar("T")
+
+THREAD_NAME = "aionvme-background"
 
 
 def no_running_loop(name: str, instead: str) -> None:
@@ -41,7 +67,8 @@ class BackgroundLoop:
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self._run, name="aionvme-background", daemon=True)
+        self._daemon_tasks: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
+        self.thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
@@ -51,8 +78,14 @@ class BackgroundLoop:
         finally:
             self.loop.close()  # closes the loop's aionvme engine
 
+    def _check_caller(self) -> None:
+        if threading.current_thread() is self.thread:
+            # waiting here for the loop would wait for ourselves
+            raise RuntimeError("a blocking aionvme call was made on aionvme's background loop thread")
+
     def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the loop's thread and return what it returns."""
+        self._check_caller()
         box: list[Any] = []
         ready = threading.Event()
 
@@ -71,36 +104,62 @@ class BackgroundLoop:
         result: T = value
         return result
 
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule ``coro`` on the loop; its result or error arrives on the
+        returned future (``asyncio.run_coroutine_threadsafe``'s contract:
+        cancelling the future cancels the task)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the loop and wait for it.
 
         Ctrl-C (or any exception raised in the waiting thread) cancels it and
-        waits until it has ended, so no transfer still fills the caller's
-        memory when the exception propagates.
+        waits until it has ended, then raises.
         """
+        try:
+            self._check_caller()
+        except BaseException:
+            coro.close()
+            raise
         finished = threading.Event()
+        box: list[asyncio.Task[T]] = []
 
-        def start() -> asyncio.Task[T]:
+        def start() -> None:
             task = self.loop.create_task(coro)
             task.add_done_callback(lambda _: finished.set())
-            return task
+            box.append(task)
 
-        task = self.call(start)
+        def cancel() -> None:
+            # Callbacks run in the order they were scheduled: if start() was
+            # scheduled at all, it has run by now.
+            if box:
+                box[0].cancel()
+            else:  # interrupted before start() was scheduled: it never will be
+                coro.close()
+                finished.set()
+
         try:
+            # The interrupt may arrive at any point, including while start()
+            # is being scheduled or right after the task began: in every case
+            # the task is cancelled and waited for before the exception goes on.
+            self.loop.call_soon_threadsafe(start)
             finished.wait()
         except BaseException:
-            self.loop.call_soon_threadsafe(task.cancel)
+            self.loop.call_soon_threadsafe(cancel)
             _wait_uninterrupted(finished)
             raise
-        return task.result()
+        return box[0].result()
 
     def stop(self) -> None:
-        """Finish what is running (background saves included), then stop."""
-        if not self.thread.is_alive():
+        """Finish what is running (background saves included; tasks marked by
+        :func:`cancel_at_exit` are cancelled), then stop and close the loop."""
+        if not self.thread.is_alive() or threading.current_thread() is self.thread:
             return
 
         async def finish() -> None:
             me = asyncio.current_task()
+            for t in list(self._daemon_tasks):
+                t.cancel()
             await asyncio.gather(*(t for t in asyncio.all_tasks() if t is not me), return_exceptions=True)
 
         asyncio.run_coroutine_threadsafe(finish(), self.loop).result()
@@ -123,20 +182,52 @@ def _wait_uninterrupted(event: threading.Event) -> None:
 
 _bg: BackgroundLoop | None = None
 _bg_lock = threading.Lock()
+_registered = False
 
 
 def background() -> BackgroundLoop:
-    """The process's background loop (a new one after fork: threads are not copied)."""
-    global _bg
+    """The process's background loop, started on first use (and again in a
+    forked child, or if its thread has ended)."""
+    global _bg, _registered
+    bg = _bg
+    if bg is not None and bg.pid == os.getpid() and bg.thread.is_alive():
+        return bg
     with _bg_lock:
-        if _bg is None or _bg.pid != os.getpid() or not _bg.thread.is_alive():
-            first = _bg is None
-            _bg = BackgroundLoop()
-            if first:
-                # registered after aionvme's runtime: runs before it at exit
-                # (atexit is LIFO), so the writes left running finish first.
+        bg = _bg
+        if bg is None or bg.pid != os.getpid() or not bg.thread.is_alive():
+            bg = _bg = BackgroundLoop()
+            if not _registered:
+                # Registered after aionvme's reactor module: runs before its
+                # exit hook (atexit is LIFO), so the loop thread has finished
+                # with its engine before engines are closed from the main thread.
                 atexit.register(_stop_at_exit)
-        return _bg
+                _registered = True
+        return bg
+
+
+def is_background(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether ``loop`` is this process's background loop (starts nothing)."""
+    bg = _bg
+    return bg is not None and bg.pid == os.getpid() and loop is bg.loop
+
+
+def cancel_at_exit(task: asyncio.Task[Any]) -> None:
+    """Have interpreter exit cancel ``task`` instead of waiting for it, if it
+    runs on the background loop: for a task that may wait indefinitely (a
+    loader's read-ahead waiting for its consumer). Call on the loop's thread."""
+    bg = _bg
+    if bg is not None and task.get_loop() is bg.loop:
+        bg._daemon_tasks.add(task)
+
+
+def _after_fork_in_child() -> None:
+    # The lock may have been held by another thread at fork; the loop object
+    # belongs to a thread the child does not have.
+    global _bg_lock
+    _bg_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _stop_at_exit() -> None:
@@ -146,8 +237,8 @@ def _stop_at_exit() -> None:
 
 
 def run(name: str, instead: str, coro: Coroutine[Any, Any, T]) -> T:
-    """The blocking twin's body: refuse on a loop thread, else run ``coro``
-    on the background loop and wait."""
+    """The body of a formats blocking twin: refuse on a thread running an
+    event loop, else run ``coro`` on the background loop and wait."""
     try:
         no_running_loop(name, instead)
     except BaseException:

@@ -23,7 +23,7 @@ with these differences:
 - any size works: no ``nbytes % intra_op_parallelism == 0`` rule, unaligned
   sizes, offsets and tails are transferred exactly;
 - ``async_*`` calls return at once and the transfer proceeds in the background
-  (an event loop thread shared by all handles); :meth:`aio_handle.wait`
+  (aionvme's background event-loop thread, shared by the process); :meth:`aio_handle.wait`
   blocks with the GIL released;
 - CUDA and non-contiguous tensors go through a host staging copy, and reads
   into them are completed by :meth:`aio_handle.wait`;
@@ -45,7 +45,6 @@ request with ``queue_depth * intra_op_parallelism`` chunks in flight.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import os
 import sys
@@ -369,7 +368,7 @@ class aio_handle:  # DeepSpeed's name, lower case
                     fh.close()  # deferred until the request has finished
 
         try:
-            future = asyncio.run_coroutine_threadsafe(run(), background().loop)
+            future = background().submit(run())
         except BaseException:
             if temporary:
                 fh.close()
