@@ -650,7 +650,7 @@ def stream(
     submodule (modules sharing tied weights form one). A block's tensors are
     read with one batched O_DIRECT request per file into one page-aligned
     buffer and used as views of it (no copy unless a dtype or device change
-    is needed). Reads run on a private event-loop thread, so the forward
+    is needed). Reads run on aionvme's background event-loop thread, so the forward
     (synchronous) computes while the next ``prefetch`` blocks are read. The
     first pass records the order in which blocks run; the residency plan
     pins as many blocks as the budget allows (all of them when the model
@@ -673,7 +673,7 @@ def stream(
         # transformers models built empty (init_empty_weights) hold untied
         # meta copies of tied weights until this runs; the checkpoint has one.
         tie()
-    loop = LoopThread()
+    loop = LoopThread("streamer")
     try:
         index = loop.run(read_index(path))
         s = Streamer(
