@@ -38,6 +38,7 @@ __all__ = [
     "BackgroundLoop",
     "background",
     "cancel_at_exit",
+    "current",
     "is_background",
     "no_running_loop",
     "run",
@@ -183,11 +184,13 @@ def _wait_uninterrupted(event: threading.Event) -> None:
 _bg: BackgroundLoop | None = None
 _bg_lock = threading.Lock()
 _registered = False
+_stopped_pid = 0  # the process whose loop the exit hook has stopped: no new one then
 
 
 def background() -> BackgroundLoop:
     """The process's background loop, started on first use (and again in a
-    forked child, or if its thread has ended)."""
+    forked child, or if its thread has ended). RuntimeError once interpreter
+    exit has stopped it."""
     global _bg, _registered
     bg = _bg
     if bg is not None and bg.pid == os.getpid() and bg.thread.is_alive():
@@ -195,6 +198,8 @@ def background() -> BackgroundLoop:
     with _bg_lock:
         bg = _bg
         if bg is None or bg.pid != os.getpid() or not bg.thread.is_alive():
+            if _stopped_pid == os.getpid():
+                raise RuntimeError("aionvme's background loop has stopped: the interpreter is exiting")
             bg = _bg = BackgroundLoop()
             if not _registered:
                 # Registered after aionvme's reactor module: runs before its
@@ -205,10 +210,18 @@ def background() -> BackgroundLoop:
         return bg
 
 
-def is_background(loop: asyncio.AbstractEventLoop) -> bool:
-    """Whether ``loop`` is this process's background loop (starts nothing)."""
+def current() -> BackgroundLoop | None:
+    """The process's background loop if it is running (starts nothing)."""
     bg = _bg
-    return bg is not None and bg.pid == os.getpid() and loop is bg.loop
+    if bg is not None and bg.pid == os.getpid() and bg.thread.is_alive():
+        return bg
+    return None
+
+
+def is_background(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether ``loop`` is this process's running background loop (starts nothing)."""
+    bg = current()
+    return bg is not None and loop is bg.loop
 
 
 def cancel_at_exit(task: asyncio.Task[Any]) -> None:
@@ -231,7 +244,10 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _stop_at_exit() -> None:
-    bg = _bg
+    global _stopped_pid
+    with _bg_lock:
+        _stopped_pid = os.getpid()
+        bg = _bg
     if bg is not None and bg.pid == os.getpid():
         bg.stop()
 

@@ -557,7 +557,7 @@ class Streamer:
 
     def close(self) -> None:
         """Remove the hooks, wait for reads in flight, release every block and
-        the loop thread. The model's weights are placeholders afterwards."""
+        its share of the background loop. The model's weights are placeholders afterwards."""
         if self._closed:
             return
         self._closed = True
