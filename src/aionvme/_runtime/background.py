@@ -85,20 +85,34 @@ class BackgroundLoop:
             raise RuntimeError("a blocking aionvme call was made on aionvme's background loop thread")
 
     def call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the loop's thread and return what it returns."""
+        """Run ``fn`` on the loop's thread and return what it returns.
+
+        If an exception (Ctrl-C) interrupts the wait, it is raised once ``fn``
+        has either run to its end or can no longer run: a caller that cleans
+        up after it knows that nothing of ``fn`` is still to come.
+        """
         self._check_caller()
         box: list[Any] = []
         ready = threading.Event()
 
         def step() -> None:
+            if ready.is_set():  # abandoned before it was reached
+                return
             try:
                 box.append((True, fn()))
             except BaseException as e:  # handed to the caller's thread
                 box.append((False, e))
             ready.set()
 
-        self.loop.call_soon_threadsafe(step)
-        _wait_uninterrupted(ready)
+        try:
+            self.loop.call_soon_threadsafe(step)
+            ready.wait()
+        except BaseException:
+            # Callbacks run in order: when this one runs, step() has run or
+            # was never scheduled (and then never runs fn).
+            self.loop.call_soon_threadsafe(ready.set)
+            _wait_uninterrupted(ready)
+            raise
         ok, value = box[0]
         if not ok:
             raise value
