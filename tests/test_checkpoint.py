@@ -429,7 +429,7 @@ def test_ctrl_c_during_a_blocking_save_cancels_it_and_keeps_the_old_file(tmp_dir
         f"""
 import asyncio, os, signal, sys, threading, time
 import numpy as np, aionvme as nvme
-from aionvme.formats import _background
+from aionvme._runtime import background as _background
 path = {str(path)!r}
 nvme.sync_save({{"w": np.zeros(4)}}, path)
 old = open(path, "rb").read()
@@ -455,3 +455,41 @@ print(sorted(os.listdir(os.path.dirname(path))))
         pytest.skip("the save finished before the signal (a fast disk): nothing to interrupt")
     assert "interrupted after" in r.stdout
     assert r.stdout.splitlines()[-1] == "['c.safetensors']"  # no temporary file left
+
+
+def test_ctrl_c_landing_after_a_background_save_began_abandons_it_and_keeps_its_buffer(tmp_dir, monkeypatch):
+    # sync_save_in_background hands the write to the background loop and waits
+    # for the hand-off; an interrupt that lands once the write has begun must
+    # not give the snapshot buffer back for reuse while the write reads it.
+    from aionvme._runtime import background as bgmod
+    from aionvme.formats import _checkpoint
+
+    path = tmp_dir / "i.safetensors"
+    nvme.sync_save({"w": np.zeros(4)}, path)
+    old = path.read_bytes()
+    _checkpoint.release_snapshot_buffers()
+    real = bgmod.BackgroundLoop.call
+
+    def call_then_interrupt(self, fn):
+        real(self, fn)  # the write has begun
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bgmod.BackgroundLoop, "call", call_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        nvme.sync_save_in_background({"w": np.arange(8 << 20, dtype=np.float64)}, path)  # 64 MiB
+    monkeypatch.undo()
+    bg = bgmod.background()
+
+    def look() -> tuple[list[asyncio.Task], bool]:  # on the loop thread: tasks and buffers seen at once
+        writes = [t for t in asyncio.all_tasks(bg.loop) if "sync_save_in_background" in t.get_name()]
+        return writes, bool(_checkpoint._spare) and not all(t.done() for t in writes)
+
+    writes, spare_while_writing = bg.call(look)
+    for t in writes:
+        bg.run(asyncio.wait([t]))
+    assert not spare_while_writing  # the buffer came back only when the write had ended
+    assert _checkpoint._spare  # and then it did
+    # abandoned: the previous file stays (or, if the write won the race, the whole new one)
+    got = path.read_bytes()
+    assert got == old or np.array_equal(nvme.sync_load(path)["w"], np.arange(8 << 20, dtype=np.float64))
+    assert sorted(p.name for p in tmp_dir.iterdir()) == ["i.safetensors"]

@@ -191,12 +191,21 @@ async def test_eio_style_errors_carry_offset(make_file):
         from aionvme._runtime.reactor import get_reactor
 
         h = FileHandle(fd, path, KERNEL_AIO, True, True, True, 512, 512, Inode(8192))
-        r = get_reactor()
-        with pytest.raises(OSError) as ei:
-            await r.submit(r.engine.read(h, nvme.empty(8192), 0))
-        assert ei.value.errno == errno.EBADF
-        assert ei.value.filename == path and ei.value.offset == 0
-        assert "offset 0" in str(ei.value)
+        try:
+            r = get_reactor()
+            with pytest.raises(OSError) as ei:
+                await r.submit(r.engine.read(h, nvme.empty(8192), 0))
+            assert ei.value.errno == errno.EBADF
+            assert ei.value.filename == path and ei.value.offset == 0
+            assert "offset 0" in str(ei.value)
+        finally:
+            # The fd is closed below, not by the handle: forget it, or the
+            # handle closes the number again when it is collected (it stays in
+            # a reference cycle through the traceback in ``ei`` until some
+            # later test's garbage collection), whatever that number is by
+            # then. That closed a later test's uvloop signal pipe and engine
+            # eventfd, and the whole suite stalled in tests/test_formats_faults.py.
+            h.detach()
     finally:
         os.close(fd)
 

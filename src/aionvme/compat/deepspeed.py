@@ -23,7 +23,7 @@ with these differences:
 - any size works: no ``nbytes % intra_op_parallelism == 0`` rule, unaligned
   sizes, offsets and tails are transferred exactly;
 - ``async_*`` calls return at once and the transfer proceeds in the background
-  (an event loop thread shared by all handles); :meth:`aio_handle.wait`
+  (aionvme's background event-loop thread, shared by the process); :meth:`aio_handle.wait`
   blocks with the GIL released;
 - CUDA and non-contiguous tensors go through a host staging copy, and reads
   into them are completed by :meth:`aio_handle.wait`;
@@ -45,8 +45,6 @@ request with ``queue_depth * intra_op_parallelism`` chunks in flight.
 
 from __future__ import annotations
 
-import asyncio
-import atexit
 import concurrent.futures
 import os
 import sys
@@ -56,6 +54,7 @@ import weakref
 from typing import Any
 
 from .._engine import AlignedBuffer
+from .._runtime.background import background
 from .._runtime.opening import handle_for
 from ..defaults import positive_int
 from ..exceptions import AionvmeError
@@ -77,63 +76,6 @@ _O_DIRECT_ALIGNMENT = 512  # what DeepNVMe's get_alignment() multiplies (deepspe
 
 class ValidationError(AionvmeError, ValueError):
     """``validate=True``: the file's bytes differ from the buffer's after the transfer."""
-
-
-# -- the background loop every handle's async operations run on ------------------------
-
-
-class _LoopThread:
-    """An asyncio loop in a daemon thread; shared by all handles of a process."""
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self._run, name="aionvme-deepspeed", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_forever()
-        finally:
-            self.loop.close()  # drains the loop's aionvme engines
-
-    def stop(self) -> None:
-        """Finish the operations in flight, then stop and close the loop."""
-        if not self.thread.is_alive():
-            return
-
-        async def finish() -> None:
-            me = asyncio.current_task()
-            tasks = [t for t in asyncio.all_tasks() if t is not me]
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        asyncio.run_coroutine_threadsafe(finish(), self.loop).result()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join()
-
-
-_bg: _LoopThread | None = None
-_bg_lock = threading.Lock()
-
-
-def _background() -> _LoopThread:
-    global _bg
-    with _bg_lock:
-        if _bg is None or _bg.pid != os.getpid() or not _bg.thread.is_alive():
-            _bg = _LoopThread()  # first use, or a forked child (threads are not copied)
-        return _bg
-
-
-def _stop_background() -> None:
-    bg = _bg
-    if bg is not None and bg.pid == os.getpid():
-        bg.stop()
-
-
-# Registered after aionvme's runtime: runs first at exit (atexit is LIFO), so the
-# loop thread is done with its engines before they are closed from this thread.
-atexit.register(_stop_background)
 
 
 # -- buffers ---------------------------------------------------------------------------------
@@ -426,7 +368,7 @@ class aio_handle:  # DeepSpeed's name, lower case
                     fh.close()  # deferred until the request has finished
 
         try:
-            future = asyncio.run_coroutine_threadsafe(run(), _background().loop)
+            future = background().submit(run())
         except BaseException:
             if temporary:
                 fh.close()

@@ -7,7 +7,7 @@
     await nvme.data.write_dataset("/nvme/train", samples, shard_size="1G")
     ds = nvme.data.Dataset("/nvme/train")       # also MDS shards, a directory of .npy / .safetensors
     loader = nvme.data.Loader(ds, batch_size=256, shuffle=True, seed=0, prefetch="512M")
-    async for batch in loader: ...                # or a plain `for`: the loader runs its own loop thread
+    async for batch in loader: ...                # or a plain `for`: it reads on aionvme's background loop
     state = loader.state_dict()                   # exact resume in the middle of an epoch
 
 torch is imported only when tensors are made (``tensors='torch'``, the default)

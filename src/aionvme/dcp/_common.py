@@ -3,11 +3,10 @@ blocking calls, the file names, and the pieces of torch's on-disk format."""
 
 from __future__ import annotations
 
-import asyncio
-import os
-import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
+
+from .._runtime.background import background
 
 T = TypeVar("T")
 
@@ -25,27 +24,11 @@ def align_up(n: int, a: int = PAGE) -> int:
     return (n + a - 1) // a * a
 
 
-_lock = threading.Lock()
-_service: tuple[int, asyncio.AbstractEventLoop, threading.Thread] | None = None
-
-
-def _service_loop() -> asyncio.AbstractEventLoop:
-    """The process's event loop for DCP calls, on a daemon thread: made on
-    first use (and again in a forked child), then kept, so a save or a load
-    does not pay for setting up and tearing down an engine (~60 ms here)."""
-    global _service
-    with _lock:
-        s = _service
-        if s is None or s[0] != os.getpid() or not s[2].is_alive():
-            loop = asyncio.new_event_loop()
-            t = threading.Thread(target=loop.run_forever, name="aionvme-dcp", daemon=True)
-            t.start()
-            s = _service = (os.getpid(), loop, t)
-        return s[1]
-
-
 def run(coro: Coroutine[Any, Any, T]) -> T:
     """Run ``coro`` to the end from blocking code (DCP's storage calls are
-    blocking) on the service loop, and return its result or raise its error.
-    Works from any thread, including one running an event loop of its own."""
-    return asyncio.run_coroutine_threadsafe(coro, _service_loop()).result()
+    blocking) on aionvme's background loop, and return its result or raise
+    its error. Works from any thread, including one running an event loop of
+    its own. The loop is kept, so a save or a load does not pay for setting
+    up and tearing down an engine (~60 ms here); Ctrl-C cancels the transfer
+    and waits for it to end."""
+    return background().run(coro)

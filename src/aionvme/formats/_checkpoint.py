@@ -36,10 +36,10 @@ from typing import Any
 
 import numpy as np
 
+from .._runtime import background as _background
 from ..atomic import atomic_write
 from ..file import PathLike
 from ..memory import empty
-from . import _background
 from ._header import METADATA_KEY, SafetensorsError, TensorInfo
 from ._prefault import Prefault
 from ._safetensors import convert, plan, read_file, save_safetensors
@@ -573,16 +573,25 @@ def sync_save_in_background(
     target = os.fsdecode(path)
     bg = _background.background()
 
+    started: list[BackgroundSave] = []
+
     def start() -> BackgroundSave:
         task = bg.loop.create_task(
             _write_image(stage, target, durable), name=f"aionvme.sync_save_in_background({target!r})"
         )
-        return BackgroundSave(target, bg.loop, task)
+        started.append(BackgroundSave(target, bg.loop, task))
+        return started[0]
 
     try:
         return bg.call(start)
     except BaseException:
-        _keep_spare(stage)
+        if started:
+            # Interrupted (Ctrl-C) once the write had begun: the caller never
+            # gets its handle, so abandon it (the previous file stays); the
+            # write gives the snapshot buffer back when it has ended.
+            started[0].cancel()
+        else:
+            _keep_spare(stage)  # never began: the buffer is free now
         raise
 
 

@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 
 from .._engine import PAGE_SIZE, AlignedBuffer
+from .._runtime import background as _background
 from ..atomic import atomic_write
 from ..exceptions import os_error
 from ..file import File, PathLike
 from ..file import open as nvme_open
 from ..memory import empty, torch_dtype
-from . import _background
 from ._header import (
     METADATA_KEY,
     SafetensorsError,

@@ -1,7 +1,8 @@
-"""A private event loop on a daemon thread, for synchronous callers.
+"""The offload objects' handle on aionvme's background event loop.
 
 A model's ``forward`` and an optimizer's ``step`` are synchronous, but
-aionvme's transfers are awaitables. The loop thread runs the reads and
+aionvme's transfers are awaitables. The process's background loop (one
+daemon thread, shared with the other blocking twins) runs the reads and
 writes; the calling thread hands it coroutines and gets
 ``concurrent.futures.Future`` objects back, which it may wait on (blocking
 itself, never the loop). Nothing CPU-heavy runs on the loop thread: copies and
@@ -16,30 +17,28 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from .._runtime.background import background
+
 T = TypeVar("T")
 
 __all__ = ["LoopThread"]
 
 
 class LoopThread:
-    """One event loop running forever on its own daemon thread."""
+    """One user's share of the background loop: what it submitted is
+    tracked, so :meth:`close` can wait for exactly that (the loop and its
+    engine go on serving others)."""
 
-    def __init__(self, name: str = "aionvme-offload") -> None:
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+    def __init__(self, name: str = "offload") -> None:
+        self._bg = background()
+        self._name = name
+        self._lock = threading.Lock()
+        self._pending: set[concurrent.futures.Future[Any]] = set()
         self._closed = False
-        self._thread.start()
-        self._ready.wait()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._loop.call_soon(self._ready.set)
-        self._loop.run_forever()
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
-        return self._loop
+        return self._bg.loop
 
     @property
     def closed(self) -> bool:
@@ -49,25 +48,35 @@ class LoopThread:
         """Schedule ``coro`` on the loop thread; its result or error arrives on the future."""
         if self._closed:
             coro.close()
-            raise RuntimeError("the offload loop thread is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+            raise RuntimeError(f"the {self._name} loop is closed")
+        fut = self._bg.submit(coro)
+        with self._lock:
+            self._pending.add(fut)
+        fut.add_done_callback(self._forget)
+        return fut
+
+    def _forget(self, fut: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            self._pending.discard(fut)
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` on the loop thread and wait for it (GIL released while waiting)."""
-        return self.submit(coro).result()
+        """Run ``coro`` on the loop thread and wait for it (GIL released while
+        waiting); Ctrl-C cancels it and waits for it to end."""
+        if self._closed:
+            coro.close()
+            raise RuntimeError(f"the {self._name} loop is closed")
+        return self._bg.run(coro)
 
     def close(self) -> None:
-        """Drain aionvme's runtime on the loop, stop it, join the thread. Idempotent."""
+        """Wait for what this user submitted and has not collected, then
+        refuse new work. Idempotent."""
         if self._closed:
             return
-        if threading.current_thread() is self._thread:
-            raise RuntimeError("LoopThread.close() called from its own thread")
-        from ..runtime import aclose
-
-        try:
-            asyncio.run_coroutine_threadsafe(aclose(), self._loop).result()
-        finally:
-            self._closed = True
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
+        if threading.current_thread() is self._bg.thread:
+            raise RuntimeError("LoopThread.close() called from the loop's own thread")
+        self._closed = True
+        with self._lock:
+            pending = list(self._pending)
+        # the outcome no longer matters, but the transfers must have ended
+        # before their buffers may be freed
+        concurrent.futures.wait(pending)

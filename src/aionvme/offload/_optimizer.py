@@ -103,7 +103,7 @@ class Optimizer(torch.optim.Optimizer):
     ``step()`` goes over the chunks in order: the state of chunk i+1 is read
     while chunk i is updated (torch's optimizer run on that chunk alone, its
     state swapped in), and chunk i-1 is written back; at most three chunks'
-    state is in memory. Reads and writes run on a private event-loop thread.
+    state is in memory. Reads and writes run on aionvme's background event-loop thread.
     ``param_groups`` are the wrapped optimizer's (LR schedulers work);
     ``state`` stays empty, since the state is not in memory: use
     :meth:`state_dict`, which reads it all and has the in-memory optimizer's
@@ -138,7 +138,7 @@ class Optimizer(torch.optim.Optimizer):
         super().__init__(self._inner.param_groups, self._inner.defaults)
         self.param_groups = self._inner.param_groups
         self.budget = parse_size(budget)
-        self._loop = LoopThread("aionvme-optimizer")
+        self._loop = LoopThread("optimizer")
         self._store: BlobStore = open_blob_store(os.fspath(path), backend, self.budget // 2)
         # Adam keeps two states per parameter: a chunk's state is ~2x chunk_size,
         # and three chunks are in the pipeline (next to the store's host tier, if any).

@@ -695,7 +695,7 @@ class Streamer:
 
     def close(self) -> None:
         """Remove the hooks, wait for reads in flight, release every block and
-        the loop thread. The model's weights are placeholders afterwards."""
+        its share of the background loop. The model's weights are placeholders afterwards."""
         if self._closed:
             return
         self._closed = True
@@ -800,7 +800,7 @@ def stream(
     never writes. When the tier's free space is too fragmented to place a
     read, that read goes to memory of its own instead (``direct_loads`` in
     :meth:`Streamer.stats`), counted in the same budget, and released blocks
-    are dropped at once while it is resident. Reads run on a private event-loop thread, so the forward
+    are dropped at once while it is resident. Reads run on aionvme's background event-loop thread, so the forward
     (synchronous) computes while the next ``prefetch`` blocks are read. The
     first pass records the order in which blocks run; the residency plan
     pins as many blocks as the budget allows (all of them when the model
@@ -823,7 +823,7 @@ def stream(
         # transformers models built empty (init_empty_weights) hold untied
         # meta copies of tied weights until this runs; the checkpoint has one.
         tie()
-    loop = LoopThread()
+    loop = LoopThread("streamer")
     try:
         index = loop.run(read_index(path))
         s = Streamer(

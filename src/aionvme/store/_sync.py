@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
-import threading
 from collections.abc import Coroutine, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
+from .._runtime.background import background
+from ._errors import StoreClosedError
 from ._store import TieredStore
 
 __all__ = ["SyncTieredStore"]
@@ -17,29 +17,36 @@ T = TypeVar("T")
 
 
 class SyncTieredStore:
-    """A :class:`TieredStore` with blocking methods: it lives on a private
-    event loop in a daemon thread, and each call waits for its result.
+    """A :class:`TieredStore` with blocking methods: it lives on aionvme's
+    background event loop (one daemon thread per process, shared with the
+    other blocking twins), and each call waits for its result.
 
     Takes TieredStore's arguments. Methods: ``put``, ``get``, ``put_many``,
     ``get_many``, ``prefetch``, ``evict``, ``delete``, ``hold`` (a plain
     ``with``), ``stats``, ``keys``, ``where``, ``in``, ``len``, ``close`` (or
     ``with``). Safe to call from several threads at once. ``store.aio`` is the
     TieredStore itself, for coroutines run on ``store.loop``.
+
+    Notes
+    -----
+    Ctrl-C during a call cancels it and waits until its transfers have ended.
+    A store belongs to the process that made it: in a forked child, make a
+    new one (the parent's raises :class:`StoreClosedError` there).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.aio = TieredStore(*args, **kwargs)
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="aionvme-store", daemon=True)
-        self._thread.start()
+        self._bg = background()
+        self.loop = self._bg.loop
+        self._closed = False
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        if self.loop.is_closed():
+        if self._closed or self._bg.pid != os.getpid():
             coro.close()
-            from ._errors import StoreClosedError
-
-            raise StoreClosedError("the store is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+            raise StoreClosedError(
+                "the store is closed" if self._closed else "the store belongs to the parent process (fork)"
+            )
+        return self._bg.run(coro)
 
     def put(self, key: Hashable, value: Any, *, timeout: float | None = None) -> None:
         self._run(self.aio.put(key, value, timeout=timeout))
@@ -109,15 +116,13 @@ class SyncTieredStore:
         return int(self._run(_call(self.aio.__len__)))
 
     def close(self) -> None:
-        """Close the store, then stop the private loop and its thread."""
-        if self.loop.is_closed():
+        """Close the store (the background loop goes on serving others)."""
+        if self._closed:
             return
         try:
             self._run(self.aio.close())
         finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join()
-            self.loop.close()
+            self._closed = True
 
     def __enter__(self) -> SyncTieredStore:
         return self
