@@ -800,8 +800,9 @@ def stream(
     never writes. When the tier's free space is too fragmented to place a
     read, that read goes to memory of its own instead (``direct_loads`` in
     :meth:`Streamer.stats`), counted in the same budget, and released blocks
-    are dropped at once while it is resident. Reads run on aionvme's background event-loop thread, so the forward
-    (synchronous) computes while the next ``prefetch`` blocks are read. The
+    are dropped at once while it is resident. Reads run on aionvme's
+    background event-loop thread, so the forward (synchronous) computes
+    while the next ``prefetch`` blocks are read. The
     first pass records the order in which blocks run; the residency plan
     pins as many blocks as the budget allows (all of them when the model
     fits, so later passes do no I/O). Streaming is for inference: parameters
