@@ -85,6 +85,23 @@ cdef inline void _list_remove(ReqC **head, ReqC **tail, ReqC *r) noexcept nogil:
     r.prev = NULL
 
 
+cdef void *_io_destroy_main(void *arg) noexcept nogil:
+    syscall(SYS_io_destroy, <aio_context_t>arg)
+    return NULL
+
+
+cdef void _destroy_aio_context(aio_context_t ctx) noexcept nogil:
+    """io_destroy(ctx) on a detached thread: with nothing in flight (close
+    drains first) it only waits for an RCU grace period, ~30 ms here, which
+    every engine close (each asyncio.run(), each Handle with its own engines)
+    paid on the caller's thread. Inline when no thread can be started."""
+    cdef pthread_t t
+    if _start_thread(&t, _io_destroy_main, <void *>ctx) == 0:
+        pthread_detach(t)
+    else:
+        syscall(SYS_io_destroy, ctx)
+
+
 cdef class Engine:
     """Kernel AIO context and/or io_uring instance + worker pool, driven by pump().
 
@@ -985,7 +1002,7 @@ cdef class Engine:
         if self.ctx != 0:
             if not self.abandoned:
                 with nogil:
-                    syscall(SYS_io_destroy, self.ctx)
+                    _destroy_aio_context(self.ctx)
             self.ctx = 0
         if self.uring != NULL:
             # The ring fd is closed after the workers stopped and every chunk

@@ -15,6 +15,7 @@ cdef extern from "<pthread.h>" nogil:
     int pthread_create(pthread_t *thread, const pthread_attr_t *attr,
                        void *(*start_routine)(void *) noexcept nogil, void *arg)
     int pthread_join(pthread_t thread, void **retval)
+    int pthread_detach(pthread_t thread)
     int pthread_mutex_init(pthread_mutex_t *mutex, const pthread_mutexattr_t *attr)
     int pthread_mutex_destroy(pthread_mutex_t *mutex)
     int pthread_mutex_lock(pthread_mutex_t *mutex)
