@@ -33,6 +33,8 @@ import time
 import warnings
 from typing import Any
 
+from aionvme.bench import drop_caches
+
 TENSOR = 32 << 20  # bytes per tensor (the last ones of a rank smaller), plus small ones
 
 
@@ -53,16 +55,6 @@ def _state(rank: int, nbytes: int) -> dict[str, Any]:
     return sd
 
 
-def _drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def _worker(rank: int, world: int, port: str, base: str, per_rank: int, threads: list[int], out: str) -> None:
     import torch
     import torch.distributed as dist
@@ -80,7 +72,7 @@ def _worker(rank: int, world: int, port: str, base: str, per_rank: int, threads:
     def step(name: str, fn: Any) -> None:
         dist.barrier()
         if rank == 0:
-            res["cold"] = _drop_caches() and res["cold"]
+            res["cold"] = drop_caches() is None and res["cold"]
         dist.barrier()
         t0 = time.perf_counter()
         fn()
@@ -181,9 +173,9 @@ def run(world: int, size: int, threads: list[int], parent: str | None) -> dict[s
         if shutil.which("fio"):
             fio_dir = os.path.join(base, "fio")
             os.makedirs(fio_dir)
-            _drop_caches()
+            drop_caches()
             res["fio_write"] = _fio(fio_dir, "write", world, size // world)
-            _drop_caches()
+            drop_caches()
             res["fio_read"] = _fio(fio_dir, "read", world, size // world)
         res["ranks"], res["bytes"] = world, size
         return res

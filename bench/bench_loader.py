@@ -49,20 +49,11 @@ from typing import Any
 import numpy as np
 
 import aionvme as nvme
+from aionvme.bench import drop_caches
 from aionvme.bench.loader import LoopProbe
 from aionvme.defaults import parse_size
 
 FIXED_OVERHEAD = 32 << 20  # RSS allowed besides the budget: loop thread, engine, thread pool, index
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def cpu_s() -> float:
