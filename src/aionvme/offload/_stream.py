@@ -592,21 +592,25 @@ class Streamer:
         # read, as before, a release during it let the store keep those bytes
         # next to this memory (peak 1.3-1.4x the budget in test_offload_stream).
         self._add_outside(u, size)
-        for v in self.units:
-            if v is not u and v.state == ABSENT:
-                for k in v.keys:
-                    if "host" in self._store.where(k):
-                        await self._store.evict(k)  # waits for a hold that is still ending
-        buf = empty(size, "uint8", like="torch")
-        by_file: dict[str, list[tuple[Any, int]]] = {}
-        out = list(views)
-        pos = 0
-        for j in missing:
-            path, off, length, _ = u.extents[j]
-            out[j] = buf[pos : pos + length]
-            by_file.setdefault(path, []).append((out[j], off))
-            pos += _round_up(length, _ALIGN)
-        await asyncio.gather(*(self._file(p).pread_many(items) for p, items in by_file.items()))
+        try:
+            for v in self.units:
+                if v is not u and v.state == ABSENT:
+                    for k in v.keys:
+                        if "host" in self._store.where(k):
+                            await self._store.evict(k)  # waits for a hold that is still ending
+            buf = empty(size, "uint8", like="torch")
+            by_file: dict[str, list[tuple[Any, int]]] = {}
+            out = list(views)
+            pos = 0
+            for j in missing:
+                path, off, length, _ = u.extents[j]
+                out[j] = buf[pos : pos + length]
+                by_file.setdefault(path, []).append((out[j], off))
+                pos += _round_up(length, _ALIGN)
+            await asyncio.gather(*(self._file(p).pread_many(items) for p, items in by_file.items()))
+        except BaseException:
+            self._add_outside(u, -size)  # nothing of it is held now
+            raise
         self.direct_loads += 1
         self.direct_bytes += sum(u.extents[j][2] for j in missing)
         return [v for v in out if v is not None]
