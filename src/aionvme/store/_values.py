@@ -139,15 +139,23 @@ def _aligned_torch(n: int) -> Any:
 
 def check_out(out: Any, meta: Meta) -> Any:
     """The flat uint8 view of a caller's ``out`` buffer, after checking it fits."""
+    if isinstance(out, np.ndarray):
+        # the hot path of a host-tier hit: only what a copy needs (describe()
+        # builds a Meta, ~1.5 µs, of which only nbytes matters here)
+        if out.dtype.hasobject:
+            raise BufferTypeError("object arrays cannot be stored (no fixed bytes)")
+        if out.nbytes != meta.nbytes:
+            raise ValueError(f"out has {out.nbytes} bytes, the value {meta.nbytes}")
+        flags = out.flags
+        if not flags.c_contiguous:
+            raise NonContiguousBufferError("out must be C-contiguous")
+        if not flags.writeable:
+            raise BufferTypeError("out is read-only")
+        # frombuffer: the same bytes as out.reshape(-1).view(uint8), in half the time
+        return np.frombuffer(out, np.uint8) if out.nbytes else out.reshape(-1).view(np.uint8)
     m = describe(out)
     if m.nbytes != meta.nbytes:
         raise ValueError(f"out has {m.nbytes} bytes, the value {meta.nbytes}")
-    if isinstance(out, np.ndarray):
-        if not out.flags.c_contiguous:
-            raise NonContiguousBufferError("out must be C-contiguous")
-        if not out.flags.writeable:
-            raise BufferTypeError("out is read-only")
-        return out.reshape(-1).view(np.uint8)
     if not out.is_contiguous():
         raise NonContiguousBufferError("out must be contiguous")
     return out.reshape(-1).view(_torch().uint8)
