@@ -21,7 +21,7 @@ Workloads (each figure in GB/s, 1 GB = 1e9 bytes):
               (with the swap_in_tensors helper) on aionvme's drop-in op and on
               DeepSpeed's own JIT-built async_io op (each in a child process;
               the own op where it is built, or with --ds-build), vs
-              TieredStore put_many + evict / get_many(out=) into preallocated
+              TieredStore put_many(to="nvme") / get_many(out=) into preallocated
               tensors (swap_in_tensors also fills tensors allocated beforehand)
 
     python3 bench/bench_store.py --quick                    # small sizes: proves it runs
@@ -316,9 +316,7 @@ print(json.dumps({"out_GBps": n * size / out_s / 1e9, "in_GBps": n * size / in_s
         ts = {i: torch.full((size // 4,), float(i)) for i in range(n)}
         async with nvme.TieredStore(d, host=2 * size + 4096) as s:
             t0 = time.perf_counter()
-            await s.put_many(ts)
-            for i in range(n):
-                await s.evict(i)
+            await s.put_many(ts, to="nvme")  # a swap-out: straight from the tensors, as DeepSpeed's
             out_s = time.perf_counter() - t0
             got = [torch.empty(size // 4) for _ in range(n)]  # as DeepSpeed's swap-in is given them
             t0 = time.perf_counter()

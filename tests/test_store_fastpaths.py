@@ -178,3 +178,77 @@ def test_sync_get_many_into_out(tmp_path):
         s.evict("a")
         buf = np.empty(1000, np.int64)
         assert s.get_many(["a"], out=[buf])[0] is buf and np.array_equal(buf, np.arange(1000))
+
+
+async def test_host_hit_into_out_checks_the_buffer_and_keeps_other_dtypes(tmp_path):
+    from aionvme.exceptions import BufferTypeError, NonContiguousBufferError
+
+    v = np.arange(1024, dtype=np.float32).reshape(32, 32)
+    async with TieredStore(tmp_path, host="1M") as s:
+        await s.put("v", v)
+        same_bytes = np.empty(4096, np.uint8)  # another dtype and shape, the same bytes: a raw copy
+        assert await s.get("v", out=same_bytes) is same_bytes
+        assert same_bytes.tobytes() == v.tobytes()
+        out = np.zeros((32, 32), np.float32)
+        assert await s.get("v", out=out) is out and np.array_equal(out, v)
+        with pytest.raises(NonContiguousBufferError):
+            await s.get("v", out=np.zeros((32, 64), np.float32)[:, ::2])
+        ro = np.zeros((32, 32), np.float32)
+        ro.flags.writeable = False
+        with pytest.raises(BufferTypeError):
+            await s.get("v", out=ro)
+        assert not ro.any()
+        with pytest.raises(ValueError):
+            await s.get("v", out=np.zeros(1023, np.float32))
+        with pytest.raises(BufferTypeError):
+            await s.get("v", out=np.empty(512, object))
+        assert s.stats()["host"]["hits"] == 2  # the refused calls were not served
+
+
+async def test_put_to_nvme_writes_straight_and_evicts_nothing(tmp_path):
+    n = 256 * KiB
+    async with TieredStore(tmp_path, host=2 * n) as s:
+        hot = [np.full(n, i, np.uint8) for i in range(2)]
+        for i, v in enumerate(hot):
+            await s.put(("hot", i), v)
+        used = s.stats()["host"]["used"]
+        cold = {i: torch.full((n // 4 + 3,), float(i)) for i in range(6)}  # odd sizes: partial last pages
+        await s.put_many(cold, to="nvme")
+        st = s.stats()
+        assert st["host"]["used"] == used and st["host"]["evictions"] == 0
+        assert st["nvme"]["bytes_in"] >= sum(t.numel() * 4 for t in cold.values())
+        for i in range(2):  # the hot values were not pushed out
+            assert s._index[("hot", i)].host is not None
+        for i, t in cold.items():
+            e = s._index[i]
+            assert e.host is None and e.disk is not None
+            assert torch.equal(await s.get(i), t)
+        await s.put("x", np.arange(10, dtype=np.int64), to="host")
+        assert s._index["x"].host is not None
+        with pytest.raises(ValueError):
+            await s.put("y", np.zeros(4), to="gpu")
+        assert "y" not in s
+
+
+def test_sync_put_to_nvme(tmp_path):
+    with SyncTieredStore(tmp_path, host="1M") as s:
+        s.put("a", np.arange(100.0), to="nvme")
+        s.put_many({"b": np.arange(5)}, to="nvme")
+        assert s.aio._index["a"].host is None
+        assert np.array_equal(s.get("a"), np.arange(100.0)) and np.array_equal(s.get("b"), np.arange(5))
+
+
+async def test_write_behind_of_a_two_value_tier_keeps_two_writes_in_flight(tmp_path):
+    n = 256 * KiB
+    vals = [np.full(n, i, np.uint8) for i in range(24)]
+    async with TieredStore(tmp_path, host=2 * n) as s:
+        most = 0
+        for i, v in enumerate(vals):
+            await s.put(i, v)
+            most = max(most, len(s._cleaners))
+        assert most == 2  # the value being written and the next one: the device is never idle
+        while s._tasks:
+            await asyncio.gather(*list(s._tasks))
+        assert s.errors == []
+        for i, v in enumerate(vals):
+            assert np.array_equal(await s.get(i), v)

@@ -336,6 +336,9 @@ class TieredStore:
             # allocate and copy in one call (a torch value: torch's own memory, as torch.empty gives)
             value = view_as(src, meta)
             value = value.copy() if meta.kind == "numpy" else value.clone()
+        elif isinstance(out, np.ndarray):
+            np.copyto(check_out(out, meta), src)
+            value = out
         else:
             if is_cuda(out):
                 return None
@@ -639,22 +642,38 @@ class TieredStore:
 
     # -- put ------------------------------------------------------------------------------
 
-    async def put(self, key: Hashable, value: Any, *, timeout: float | None = None) -> None:
+    async def put(
+        self, key: Hashable, value: Any, *, to: str | None = None, timeout: float | None = None
+    ) -> None:
         """Store a copy of ``value`` (numpy array or torch tensor) under ``key``.
 
         Replaces what the key held. Waits for room while the tier it lands in
         is full of held values (:class:`StoreTimeoutError` after ``timeout``).
         With ``persist=True``, returns once the value and its index record are durable.
 
+        Parameters
+        ----------
+        to : {None, 'host', 'nvme'}
+            Where the value lands. None: the hottest tier with room (a CUDA
+            tensor in the GPU tier, else host memory); what it pushes out moves
+            colder. 'host': host memory even for a CUDA tensor. 'nvme': written
+            straight from ``value`` to the NVMe tier, with no copy in memory
+            and nothing evicted (a swap-out of a value known to be cold); it
+            returns once the bytes are written.
+
         Raises
         ------
         StoreFullError
             No room in the NVMe tier (an ``OSError`` with errno ENOSPC).
         """
-        await self.put_many({key: value}, timeout=timeout)
+        await self.put_many({key: value}, to=to, timeout=timeout)
 
-    async def put_many(self, items: Mapping[Hashable, Any], *, timeout: float | None = None) -> None:
+    async def put_many(
+        self, items: Mapping[Hashable, Any], *, to: str | None = None, timeout: float | None = None
+    ) -> None:
         """put each key and value; NVMe writes of the batch go as one request per slab."""
+        if to not in (None, "host", "nvme"):
+            raise ValueError(f"to must be None, 'host' or 'nvme', got {to!r}")
         self._enter()
         if self.persist:
             for k in items:
@@ -675,7 +694,11 @@ class TieredStore:
                     # Each new entry joins its tier as soon as its bytes are
                     # there, so a batch larger than the tier evicts its own
                     # first values (to NVMe) instead of waiting forever.
-                    if is_cuda(v) and self._gpu is not None and e.nbytes <= self._gpu.capacity:
+                    if to == "nvme":
+                        bypass.append((e, src))
+                    elif (
+                        to is None and is_cuda(v) and self._gpu is not None and e.nbytes <= self._gpu.capacity
+                    ):
                         t = await self._make_room(self._gpu, e.nbytes, deadline, f"{k!r}")
                         e.gpu = t
                         t[: e.nbytes].copy_(src)
@@ -721,17 +744,22 @@ class TieredStore:
     def _kick_cleaner(self) -> None:
         """persist=False write-behind: while the host tier is at least three
         quarters full, write its coldest values that have no NVMe copy yet,
-        in batches of ``clean_batch`` bytes, up to a quarter of the tier in
-        flight (at least one value). They stay in memory, now clean, so the
-        put that needs room later drops them at once instead of waiting for a
-        write: evictions overlap with the puts (and copies) that cause them,
-        and the device always has the next batch queued. Each batch that ends
-        starts the next."""
+        in batches of up to ``clean_batch`` bytes (and at most half the
+        in-flight budget, so two batches overlap), with up to a quarter of the
+        tier in flight, and always at least two batches of one value each
+        (a small tier whose every put evicts keeps the device busy with the
+        next value while the previous one is written). They stay in memory,
+        now clean, so the put that needs room later drops them at once
+        instead of waiting for a write: evictions overlap with the puts (and
+        copies) that cause them, and the device always has the next batch
+        queued. Each batch that ends starts the next."""
         h = self._host
         if self.persist or self._closed:
             return
         budget = max(h.capacity // 4, 1)
-        if h.used * 4 < h.capacity * 3 or self._clean_bytes >= budget:
+        if h.used * 4 < h.capacity * 3:
+            return
+        if self._clean_bytes >= budget and len(self._cleaners) >= 2:
             return
         cands: list[Entry] = list(h.policy.victims())  # type: ignore[arg-type]
         dirty_now = [
@@ -745,22 +773,21 @@ class TieredStore:
             and not e.moving
             and e.loading is None
         ]
+        per_batch = min(self.clean_batch, max(budget // 2, 1))
         i = 0
-        while i < len(dirty_now) and self._clean_bytes < budget:
-            room = min(budget - self._clean_bytes, self.clean_batch)
+        while i < len(dirty_now) and (self._clean_bytes < budget or len(self._cleaners) < 2):
+            room = min(max(budget - self._clean_bytes, 0), per_batch)
             batch: list[Entry] = []
             total = 0
             while i < len(dirty_now):
                 n = round_up(dirty_now[i].nbytes)
-                if total + n > room and (batch or self._clean_bytes):
+                if total + n > room and batch:
                     break  # the next batch starts with it
                 batch.append(dirty_now[i])
                 total += n
                 i += 1
                 if total >= room:
                     break
-            if not batch:
-                return
             for e in batch:
                 e.moving = True
                 e.refs += 1

@@ -48,11 +48,13 @@ class SyncTieredStore:
             )
         return self._bg.run(coro)
 
-    def put(self, key: Hashable, value: Any, *, timeout: float | None = None) -> None:
-        self._run(self.aio.put(key, value, timeout=timeout))
+    def put(self, key: Hashable, value: Any, *, to: str | None = None, timeout: float | None = None) -> None:
+        self._run(self.aio.put(key, value, to=to, timeout=timeout))
 
-    def put_many(self, items: Mapping[Hashable, Any], *, timeout: float | None = None) -> None:
-        self._run(self.aio.put_many(items, timeout=timeout))
+    def put_many(
+        self, items: Mapping[Hashable, Any], *, to: str | None = None, timeout: float | None = None
+    ) -> None:
+        self._run(self.aio.put_many(items, to=to, timeout=timeout))
 
     def attach(
         self,
