@@ -121,6 +121,37 @@ async def test_fd_number_reused_by_an_eventfd(small, direct):
         os.close(r)
 
 
+def test_an_abandoned_handle_never_closes_a_reused_fd_number(small, tmp_path):
+    # A FileHandle nobody closed closes its fd when it is freed: if that fd
+    # was closed behind its back and the number now names someone else's
+    # file, closing it would pull the file out from under its owner.
+    import gc
+
+    from aionvme import _engine
+
+    path, _ = small
+    fd = os.open(path, os.O_RDONLY)
+    h = _engine.FileHandle(fd, path, _engine.WORKER_POOL, False, True, False, 1, 1, _engine.Inode(4000))
+    os.close(fd)
+    other = os.open(tmp_path / "other.bin", os.O_RDWR | os.O_CREAT)
+    try:
+        assert other == fd  # the lowest free number: the one the handle still holds
+        del h
+        gc.collect()
+        os.fstat(other)  # still open
+        assert os.pwrite(other, b"still mine", 0) == 10
+    finally:
+        os.close(other)
+    # and an abandoned handle whose fd is still its own closes it
+    fd = os.open(path, os.O_RDONLY)
+    h = _engine.FileHandle(fd, path, _engine.WORKER_POOL, False, True, False, 1, 1, _engine.Inode(4000))
+    del h
+    gc.collect()
+    with pytest.raises(OSError) as ei:
+        os.fstat(fd)
+    assert ei.value.errno == errno.EBADF
+
+
 def test_misaligned_einval_on_a_real_file_keeps_its_errno(small):
     # EINVAL from a file that is still open is not blamed on a lost fd.
     from aionvme import _engine

@@ -196,6 +196,8 @@ cdef class FileHandle:
     cdef readonly bint closing
     cdef readonly bint closed
     cdef public object owner       # the user-facing File, for error messages and close callbacks
+    cdef unsigned long long st_dev  # what the fd referred to when the handle took it, so a last-resort
+    cdef unsigned long long st_ino  # close never closes a reused fd number (0, 0: fstat failed)
     cdef void *cufh                # cuFile handle, registered on first GDS use (NULL: none)
     cdef readonly object gds_refused   # why cuFile refused this fd (CuFileError), or None
     cdef readonly bint ring_ok         # buffered, positional, not on tmpfs/ramfs: io_uring may serve it

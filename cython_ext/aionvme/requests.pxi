@@ -114,7 +114,11 @@ cdef class FileHandle:
         self.mem_align = mem_align
         self.inode = inode
         self.owner = owner
+        cdef stat st
         if fd >= 0:
+            if fstat(fd, &st) == 0:
+                self.st_dev = st.st_dev
+                self.st_ino = st.st_ino
             global _open_handles
             _open_handles += 1
             if align == 1:
@@ -124,10 +128,14 @@ cdef class FileHandle:
                 self.ring_ok = _ring_file(fd)
 
     def __dealloc__(self):
-        # Last resort: a handle nobody closed (its File warned already).
+        # Last resort: a handle nobody closed (its File warned already). If the
+        # fd was closed behind our back and its number now refers to another
+        # file (a pipe, an eventfd, someone's open file), it is not ours to close.
+        cdef stat st
         if self.fd >= 0 and not self.closed:
             _gds_drop_file(self)
-            close(self.fd)
+            if fstat(self.fd, &st) == 0 and st.st_dev == self.st_dev and st.st_ino == self.st_ino:
+                close(self.fd)
             self.fd = -1
             global _open_handles
             _open_handles -= 1

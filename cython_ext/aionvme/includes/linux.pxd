@@ -71,6 +71,8 @@ cdef extern from "<sys/stat.h>" nogil:
     struct stat:
         long st_size
         unsigned int st_mode
+        unsigned long st_dev
+        unsigned long st_ino
     int fstat(int fd, stat *buf)
     bint S_ISREG(unsigned int mode)
     bint S_ISBLK(unsigned int mode)
