@@ -16,7 +16,13 @@ measures, with the page cache dropped before every step (run as root):
   rank, O_DIRECT, libaio.
 
 Times are wall seconds from a barrier before the step to a barrier after it.
+Each writer first saves a tiny state dict untimed (a process's first save pays
+DCP's imports and first planning); ``--repeat N`` saves N times per writer in
+alternating order (ours first, then ours last: this disk writes faster after a
+pause) and reports medians.
 Prints a Markdown table (``--json`` for the raw figures).
+
+    python3 bench/bench_dcp.py --repeat 3                     # the figures in bench/README.md
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,7 +62,9 @@ def _state(rank: int, nbytes: int) -> dict[str, Any]:
     return sd
 
 
-def _worker(rank: int, world: int, port: str, base: str, per_rank: int, threads: list[int], out: str) -> None:
+def _worker(
+    rank: int, world: int, port: str, base: str, per_rank: int, threads: list[int], out: str, repeat: int = 1
+) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -77,7 +86,8 @@ def _worker(rank: int, world: int, port: str, base: str, per_rank: int, threads:
         t0 = time.perf_counter()
         fn()
         dist.barrier()
-        res[name] = time.perf_counter() - t0
+        res.setdefault(name + "_all", []).append(time.perf_counter() - t0)
+        res[name] = statistics.median(res[name + "_all"])
 
     def clean(path: str) -> None:
         dist.barrier()
@@ -90,14 +100,32 @@ def _worker(rank: int, world: int, port: str, base: str, per_rank: int, threads:
         return d  # touched: the load does not pay the first page faults
 
     ours = f"{base}/ours"
-    step("save_aionvme", lambda: dcp.save(sd, storage_writer=aionvme.dcp.Writer(ours)))
-    for tc in threads:
+
+    def save_ours() -> None:
+        clean(ours)
+        step("save_aionvme", lambda: dcp.save(sd, storage_writer=aionvme.dcp.Writer(ours)))
+
+    def save_torch(tc: int) -> None:
         p = f"{base}/torch{tc}"
         step(
             f"save_torch_t{tc}",
-            lambda p=p, tc=tc: dcp.save(sd, storage_writer=dcp.FileSystemWriter(p, thread_count=tc)),
+            lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(p, thread_count=tc)),
         )
         clean(p)
+
+    # Untimed warm-up: a process's first dcp.save pays imports and DCP's first
+    # planning for whichever writer runs first (0.1 s here).
+    tiny = {f"rank{rank}.warm": torch.zeros(1024)}
+    for name, make in (("aionvme", aionvme.dcp.Writer), ("torch", dcp.FileSystemWriter)):
+        dcp.save(tiny, storage_writer=make(f"{base}/warm_{name}"))
+        clean(f"{base}/warm_{name}")
+
+    # Repetitions alternate the order (ours first, then ours last): this disk
+    # writes faster after a pause, so whoever goes first would gain.
+    for rep in range(repeat):
+        saves = [save_ours] + [lambda tc=tc: save_torch(tc) for tc in threads]
+        for fn in saves if rep % 2 == 0 else saves[::-1]:
+            fn()
     for name, make in (("aionvme", aionvme.dcp.Reader), ("torch", dcp.FileSystemReader)):
         got = dest()
         step(f"load_{name}", lambda got=got, make=make: dcp.load(got, storage_reader=make(ours)))
@@ -156,12 +184,12 @@ def _free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def run(world: int, size: int, threads: list[int], parent: str | None) -> dict[str, Any]:
+def run(world: int, size: int, threads: list[int], parent: str | None, repeat: int = 1) -> dict[str, Any]:
     base = tempfile.mkdtemp(prefix="aionvme-dcp-", dir=parent)
     try:
         out = os.path.join(base, "result.json")
         port = _free_port()
-        args = [str(world), port, base, str(size // world), ",".join(map(str, threads)), out]
+        args = [str(world), port, base, str(size // world), ",".join(map(str, threads)), out, str(repeat)]
         procs = [
             subprocess.Popen([sys.executable, __file__, "--worker", str(r), *args]) for r in range(world)
         ]
@@ -207,6 +235,15 @@ def report(results: list[dict[str, Any]], threads: list[int]) -> str:
             f"| {r['ranks']} | async_save blocks | {ours_b:.3f} s | {torch_b:.3f} s | - "
             f"| {torch_b / ours_b:.2f}x | - |"
         )
+    for r in results:
+        runs = {
+            k[len("save_") : -len("_all")]: v
+            for k, v in r.items()
+            if k.startswith("save_") and k.endswith("_all")
+        }
+        if any(len(v) > 1 for v in runs.values()):
+            each = ", ".join(f"{k} " + "/".join(f"{x:.2f}" for x in v) for k, v in runs.items())
+            lines.append(f"\n{r['ranks']} ranks, every save (s; medians above): {each}")
     cold = all(r["cold"] for r in results)
     lines.append("")
     lines.append("page cache dropped before every step" if cold else "page cache NOT dropped (not root)")
@@ -216,8 +253,17 @@ def report(results: list[dict[str, Any]], threads: list[int]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--worker":
-        rank, world, port, base, per_rank, threads, out = argv[1:8]
-        _worker(int(rank), int(world), port, base, int(per_rank), [int(t) for t in threads.split(",")], out)
+        rank, world, port, base, per_rank, threads, out, repeat = argv[1:9]
+        _worker(
+            int(rank),
+            int(world),
+            port,
+            base,
+            int(per_rank),
+            [int(t) for t in threads.split(",")],
+            out,
+            int(repeat),
+        )
         return 0
     from aionvme.defaults import parse_size
 
@@ -226,11 +272,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", default="1,2,4", help="rank counts (default 1,2,4)")
     ap.add_argument("--torch-threads", default="1,4,8", help="FileSystemWriter thread_count values")
     ap.add_argument("--dir", default=None, help="where the checkpoints go (default: a local temp dir)")
+    ap.add_argument(
+        "--repeat", type=int, default=1, help="saves per writer, in alternating order; medians are reported"
+    )
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     size = parse_size(a.size)
     threads = [int(t) for t in a.torch_threads.split(",")]
-    results = [run(int(w), size, threads, a.dir) for w in a.ranks.split(",")]
+    results = [run(int(w), size, threads, a.dir, a.repeat) for w in a.ranks.split(",")]
     print(json.dumps(results, indent=1) if a.json else report(results, threads))
     return 0
 
