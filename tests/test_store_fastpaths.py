@@ -252,3 +252,14 @@ async def test_write_behind_of_a_two_value_tier_keeps_two_writes_in_flight(tmp_p
         assert s.errors == []
         for i, v in enumerate(vals):
             assert np.array_equal(await s.get(i), v)
+
+
+async def test_put_to_nvme_in_a_persistent_store_survives_reopening(tmp_path):
+    async with TieredStore(tmp_path, host="1M", persist=True) as s:
+        await s.put("a", np.arange(1000.0), to="nvme")
+        await s.put_many({"b": torch.arange(7), "c": np.ones(5000, np.int8)}, to="nvme")
+        assert s.where("a") == ["nvme"]
+    async with TieredStore(tmp_path, host="1M", persist=True) as s:
+        assert np.array_equal(await s.get("a"), np.arange(1000.0))
+        assert torch.equal(await s.get("b"), torch.arange(7))
+        assert np.array_equal(await s.get("c"), np.ones(5000, np.int8))
