@@ -25,7 +25,7 @@ __all__ = ["Optimizer"]
 _ALIGN = 64  # state tensors inside a blob start on cache-line boundaries
 _PAGE = 4096  # a blob is whole pages: read and written with O_DIRECT, no bounce for a tail
 _DEPTH = 6  # chunks the streaming room is sized for: 2-3 read ahead, 1 stepped, 2 written behind
-_ROOM = 128 << 20  # streaming room wanted (a quarter of the budget when that is more): bytes in flight
+_ROOM = 64 << 20  # default streaming room (a quarter of the budget when that is more): bytes in flight
 _LOW = (torch.bfloat16, torch.float16)  # parameters that get an fp32 master with master_weights=True
 MASTER = "master"  # the state key of a parameter's fp32 master copy
 
@@ -92,10 +92,16 @@ class Optimizer(torch.optim.Optimizer):
         :meth:`stats` (``peak_memory_bytes``).
     chunk_size : int or str, optional
         Parameter bytes per chunk (a chunk never mixes groups). Default:
-        budget / 8 when the state fits the budget; else sized so that the
-        streaming room, a quarter of the budget but at least 128 MiB (or the
-        whole budget when that is less), holds six chunks' state (Adam keeps
-        two states per parameter).
+        budget / 8 when the state fits the budget, else ``stream_room`` / 12
+        (six chunks of Adam's state, two states per parameter).
+    stream_room : int or str, optional
+        When the state does not fit the budget: the part of the budget the
+        chunks that are not kept resident stream through (reads ahead, the
+        chunk being updated, writes behind); the rest keeps chunks resident.
+        More room keeps more bytes in flight (the device's bandwidth wants
+        tens of MiB), less keeps more chunks resident (each resident byte
+        saves two of I/O per step). Default: a quarter of the budget, at
+        least 64 MiB, at most the budget.
     backend : {"auto", "store", "file"}
         Where streamed state goes: the NVMe tier of an
         :class:`aionvme.TieredStore` (``"store"``, and ``"auto"``), or one
@@ -155,6 +161,7 @@ class Optimizer(torch.optim.Optimizer):
         *,
         budget: int | str = "1G",
         chunk_size: int | str | None = None,
+        stream_room: int | str | None = None,
         backend: str = "auto",
         master_weights: bool = False,
         **kwargs: Any,
@@ -165,6 +172,13 @@ class Optimizer(torch.optim.Optimizer):
         super().__init__(self._inner.param_groups, self._inner.defaults)
         self.param_groups = self._inner.param_groups
         self.budget = parse_size(budget)
+        if stream_room is None:
+            room = max(self.budget // 4, _ROOM)
+        else:
+            room = parse_size(stream_room)
+            if room <= 0:
+                raise ValueError(f"stream_room must be positive, got {stream_room!r}")
+        self.stream_room = min(self.budget, room)
         self._loop = LoopThread("optimizer")
         self._store: BlobStore = open_blob_store(os.fspath(path), backend)
         # Adam keeps two states per parameter; an fp32 master and fp32 state
@@ -175,7 +189,7 @@ class Optimizer(torch.optim.Optimizer):
         if ratio * total <= self.budget:
             default_chunk = self.budget // (4 * ratio)
         else:
-            default_chunk = self._room() // (_DEPTH * ratio)
+            default_chunk = self.stream_room // (_DEPTH * ratio)
         self.chunk_size = parse_size(chunk_size) if chunk_size is not None else max(1, default_chunk)
         self._chunks: list[_Chunk] = []
         self._chunked_groups: list[list[int]] = []
@@ -233,10 +247,6 @@ class Optimizer(torch.optim.Optimizer):
 
     # -- the step ------------------------------------------------------------------
 
-    def _room(self) -> int:
-        """Bytes of the budget the streaming pipeline wants (when the state does not fit)."""
-        return min(self.budget, max(self.budget // 4, _ROOM))
-
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Update every parameter with a gradient, chunk by chunk (see the class Notes)."""
@@ -273,12 +283,17 @@ class Optimizer(torch.optim.Optimizer):
                     self._mark(c.key, "read-wait", t0, t_origin)
                 t0 = time.perf_counter()
                 self._install(c, blob)
-                stepped = self._to_masters(c)
                 try:
-                    self._run_inner(c, stepped)
-                finally:
-                    self._from_masters(c, stepped)
-                blob = self._pack(c, blob, held)
+                    stepped = self._to_masters(c)
+                    try:
+                        self._run_inner(c, stepped)
+                    finally:
+                        self._from_masters(c, stepped)
+                    blob = self._pack(c, blob, held)
+                except BaseException:
+                    for _, p in c.params:  # no views of a buffer the pipeline takes back
+                        self._inner.state.pop(p, None)
+                    raise
                 self.compute_s += time.perf_counter() - t0
                 self._mark(c.key, "update", t0, t_origin)
                 if job is not None and job.key is None:
@@ -311,7 +326,7 @@ class Optimizer(torch.optim.Optimizer):
         sizes = [x.nbytes if x.spec else _pages(int(ratio * _param_bytes(x))) for x in self._chunks]
         if sum(sizes) <= self.budget:
             return True
-        room = max(3 * max(sizes, default=0), self._room())
+        room = max(3 * max(sizes, default=0), self.stream_room)
         with self._lock:
             kept = sum(self.ledger.held.get(id(x), 0) for x in self._chunks if x is not c)
         return kept + c.nbytes + room <= self.budget
@@ -522,6 +537,9 @@ class Optimizer(torch.optim.Optimizer):
             "peak_memory_bytes": self.ledger.peak,
             "budget": self.budget,
             "overdrafts": self._pipe.overdrafts,  # buffers allocated past the budget (see the Notes)
+            "buffer_allocations": self._pipe.allocations,  # pipeline buffers allocated (kept for reuse)
+            "buffers_in_use": self._pipe.busy,  # being read, updated or written: 0 between steps
+            "max_reads_in_flight": self._pipe.max_reads,  # chunks read ahead at once, at most
         }
 
     def close(self) -> None:

@@ -61,6 +61,9 @@ class Pipeline:
         self.busy = 0  # buffers handed out (being read, computed on or written)
         self.writing = 0
         self.overdrafts = 0  # buffers allocated past the budget (a chunk larger than the room)
+        self.allocations = 0  # buffers allocated in all (reused from step to step)
+        self.max_reads = 0  # most reads in flight at once
+        self.reading = 0
         self.passed = -1  # the step's position: chunks up to it are done with
         self._change: asyncio.Future[None] | None = None
         self._reads: dict[int, asyncio.Task[None]] = {}
@@ -82,6 +85,7 @@ class Pipeline:
 
     def _new(self, n: int) -> torch.Tensor:
         buf: torch.Tensor = empty(n, "uint8", like="torch")
+        self.allocations += 1
         key = -next(_KEYS)
         with self.lock:
             self.ledger.reserve(key, n)
@@ -162,17 +166,21 @@ class Pipeline:
                     await self._wait_change()
                 continue
             buf = await self.acquire(job.nbytes, step=False)
+            self.reading += 1
+            self.max_reads = max(self.max_reads, self.reading)
             self._reads[job.pos] = asyncio.get_running_loop().create_task(self._read(job, buf))
 
     async def _read(self, job: Job, buf: torch.Tensor) -> None:
         try:
             await self.store.read_into(job.key, buf[: job.nbytes])  # type: ignore[arg-type]
         except BaseException as e:
+            self.reading -= 1
             self.release(buf)
             job.done.set_exception(e)
             if isinstance(e, asyncio.CancelledError):
                 raise
             return
+        self.reading -= 1
         job.done.set_result(buf)  # the step takes it from here (or finish() gives it back)
 
     async def write(self, key: str, buf: torch.Tensor, nbytes: int) -> None:
