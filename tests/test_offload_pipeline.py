@@ -32,6 +32,7 @@ def test_reads_run_ahead_within_the_budget_and_buffers_are_reused(tmp_path, back
         torch.optim.AdamW, ours, tmp_path, lr=1e-3, weight_decay=0.1, budget=budget, backend=backend
     )
     mem = torch.optim.AdamW(ref, lr=1e-3, weight_decay=0.1)
+    threads = torch.get_num_threads()
     try:
         allocs = []
         for s in range(4):
@@ -47,6 +48,8 @@ def test_reads_run_ahead_within_the_budget_and_buffers_are_reused(tmp_path, back
         assert 0 < st["peak_memory_bytes"] <= budget and st["overdrafts"] == 0
         # more than one chunk was read ahead at once, while the step computed
         assert st["max_reads_in_flight"] >= 2
+        # torch's thread setting is the caller's again after each step
+        assert torch.get_num_threads() == threads
         # the buffers of the second step served the later ones: no allocation per step
         assert allocs[1] == allocs[2] == allocs[3]
         assert allocs[1] * (512 << 10) <= budget
