@@ -15,9 +15,14 @@ same model, budget and input. Outputs are checked ``allclose`` to the model in
 memory.
 
 Optimizer: ``aionvme.offload.Optimizer(torch.optim.AdamW)`` over
-``--opt-params`` fp32 parameters under ``--opt-budget``; one step (after the
-first, which creates the state) against its I/O bound, state bytes read /
-fio read bandwidth + bytes written / fio write bandwidth. Side by side:
+``--opt-params`` fp32 parameters under ``--opt-budget``; after the step that
+creates the state and one untimed step that streams it, ``--repeat`` rounds
+of: fio's sweep, one cold step of ours, one of DeepSpeed's (reversed every
+other round), each step against the I/O bound of its round, state bytes read
+/ fio read bandwidth + bytes written / fio write bandwidth, fio's best of our
+request size and depth and a few larger ones, O_DIRECT on a file at least as
+large as the state (``--fio-size``), already written. Medians are reported.
+Side by side:
 DeepSpeed's ``PipelinedOptimizerSwapper`` (ZeRO-Infinity's NVMe optimizer
 swapper, pipeline_read/pipeline_write on) driven as ZeRO-3's step drives it
 (swap in sub-group i while i-1 is written, torch AdamW on each sub-group),
@@ -267,6 +272,10 @@ def bench_optimizer(args: argparse.Namespace, work: str) -> dict[str, Any]:
     rounds: list[dict[str, Any]] = []
     try:
         opt.step()  # creates the state
+        # and one step that streams it, untimed: it allocates the buffers the reads ahead
+        # use from then on, and the store's second set of extents (a put writes the new
+        # value before it frees the old one); a training run pays this once
+        opt.step()
         for r in range(args.repeat):
             rnd: dict[str, Any] = {}
 
@@ -287,7 +296,9 @@ def bench_optimizer(args: argparse.Namespace, work: str) -> dict[str, Any]:
 
             def deepspeed(rnd: dict[str, Any] = rnd) -> None:
                 rnd["deepspeed"] = (
-                    ds_swapper(n, work) if args.deepspeed else {"note": "not run (--no-deepspeed)"}
+                    ds_swapper(n, work, args.ds_threads)
+                    if args.deepspeed
+                    else {"note": "not run (--no-deepspeed)"}
                 )
 
             order = [bound, ours, deepspeed]
@@ -325,6 +336,7 @@ def bench_optimizer(args: argparse.Namespace, work: str) -> dict[str, Any]:
             "ratio_to_io_bound": med(ds_get("ratio_to_io_bound")),
             "bitwise_equal": all(x["bitwise_equal"] for x in ds_rounds),
             "step_s_all": [x["step_s"] for x in ds_rounds],
+            "threads": args.ds_threads,
         }
     rd, wr = rounds[-1]["bytes_read"], rounds[-1]["bytes_written"]
     step_s = med(lambda x: x["step_s"])
@@ -371,10 +383,14 @@ def bench_optimizer(args: argparse.Namespace, work: str) -> dict[str, Any]:
     }
 
 
-def ds_swapper_child(n: int, work: str) -> dict[str, Any]:
+def ds_swapper_child(n: int, work: str, threads: int) -> dict[str, Any]:
     """In a child process: DeepSpeed's PipelinedOptimizerSwapper over n fp32
     parameters in 1M-element sub-groups, stepped as ZeRO-3 steps them; the
-    second step timed (cold cache), the state checked against AdamW in memory."""
+    third step timed (cold cache; the first creates the state, the second
+    warms up as ours does), the state checked against AdamW in memory.
+    ``threads``: torch's intra-op threads (0: torch's default)."""
+    if threads:
+        torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     import aionvme.compat.deepspeed as drop_in
@@ -419,12 +435,13 @@ def ds_swapper_child(n: int, work: str) -> dict[str, Any]:
             sw.swap_out_optimizer_state(parameter=p, async_swap=nxt is not None)
 
     step()  # creates the state
+    step()  # warm-up, untimed, as ours
     _cold()
     t0 = time.perf_counter()
     step()
     step_s = time.perf_counter() - t0
     ro = torch.optim.AdamW(ref, lr=1e-4)
-    for _ in range(2):
+    for _ in range(3):
         for p, g in zip(ref, grads, strict=True):
             p.grad = g
         ro.step()
@@ -437,9 +454,10 @@ def ds_swapper_child(n: int, work: str) -> dict[str, Any]:
     return {"step_s": step_s, "bytes_read": moved, "bytes_written": moved, "bitwise_equal": equal}
 
 
-def ds_swapper(n: int, work: str) -> dict[str, Any]:
+def ds_swapper(n: int, work: str, threads: int) -> dict[str, Any]:
     """ds_swapper_child in a child process; {"note": why} if it could not run."""
     cmd = [sys.executable, os.path.abspath(__file__), "--ds-child", str(n), "--dir", work]
+    cmd += ["--ds-threads", str(threads)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode != 0 or not lines:
@@ -538,7 +556,8 @@ def _ds_row(ds: dict[str, Any]) -> str:
         f"| DeepSpeed PipelinedOptimizerSwapper (drop-in) | {ds['step_s']:.3f} | "
         f"read {human_bytes(ds['bytes_read'])}, wrote {human_bytes(ds['bytes_written'])} (param + state), "
         f"{(ds['bytes_read'] + ds['bytes_written']) / ds['step_s'] / 1e9:.2f} GB/s, "
-        f"{ds['ratio_to_io_bound']:.2f}x its I/O bound, bitwise={ds['bitwise_equal']} |"
+        f"{ds['ratio_to_io_bound']:.2f}x its I/O bound, bitwise={ds['bitwise_equal']}, "
+        f"torch threads {ds.get('threads') or 'default'} |"
     )
 
 
@@ -561,10 +580,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--no-deepspeed", dest="deepspeed", action="store_false", help="skip DeepSpeed's optimizer swapper"
     )
+    ap.add_argument(
+        "--ds-threads",
+        type=int,
+        default=max(1, torch.get_num_threads() - 1),
+        help="torch threads of DeepSpeed's side (default: as many as our optimizer's math; 0: torch's)",
+    )
     ap.add_argument("--ds-child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.ds_child is not None:
-        print(json.dumps(ds_swapper_child(args.ds_child, args.dir)))
+        print(json.dumps(ds_swapper_child(args.ds_child, args.dir, args.ds_threads)))
         return 0
     work = tempfile.mkdtemp(prefix="aionvme-offload-", dir=args.dir)
     try:
