@@ -251,7 +251,8 @@ def bench_optimizer(args: argparse.Namespace, work: str) -> dict[str, Any]:
     block = defaults.settings.block_size
     depth = max(1, min(defaults.settings.queue_depth, min(budget, max(budget // 4, 128 << 20)) // block))
     ours_cfg = (f"{block >> 20}M" if block % (1 << 20) == 0 else str(block), depth)
-    ref = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], lr=1e-4)
+    kw = {"lr": 1e-4, "fused": args.fused}
+    ref = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], **kw)
     for q, p in zip(ref.param_groups[0]["params"], params, strict=True):
         q.grad = p.grad
     ref.step()
@@ -268,7 +269,7 @@ def bench_optimizer(args: argparse.Namespace, work: str) -> dict[str, Any]:
     torch.set_num_threads(threads)
     mem_s = min(mem_by.values())
     del ref
-    opt = nvme.offload.Optimizer(torch.optim.AdamW, params, d, lr=1e-4, budget=budget, backend=args.backend)
+    opt = nvme.offload.Optimizer(torch.optim.AdamW, params, d, budget=budget, backend=args.backend, **kw)
     rounds: list[dict[str, Any]] = []
     try:
         opt.step()  # creates the state
@@ -296,7 +297,7 @@ def bench_optimizer(args: argparse.Namespace, work: str) -> dict[str, Any]:
 
             def deepspeed(rnd: dict[str, Any] = rnd) -> None:
                 rnd["deepspeed"] = (
-                    ds_swapper(n, work, args.ds_threads)
+                    ds_swapper(n, work, args.ds_threads, args.fused)
                     if args.deepspeed
                     else {"note": "not run (--no-deepspeed)"}
                 )
@@ -346,6 +347,7 @@ def bench_optimizer(args: argparse.Namespace, work: str) -> dict[str, Any]:
         "state_bytes": st["state_bytes"],
         "budget": budget,
         "backend": args.backend,
+        "fused": args.fused,
         "rounds": len(rounds),
         "fio_size": fio_size,
         "fio_ours": rounds[0]["fio"]["ours"],
@@ -383,12 +385,12 @@ def bench_optimizer(args: argparse.Namespace, work: str) -> dict[str, Any]:
     }
 
 
-def ds_swapper_child(n: int, work: str, threads: int) -> dict[str, Any]:
+def ds_swapper_child(n: int, work: str, threads: int, fused: bool) -> dict[str, Any]:
     """In a child process: DeepSpeed's PipelinedOptimizerSwapper over n fp32
     parameters in 1M-element sub-groups, stepped as ZeRO-3 steps them; the
     third step timed (cold cache; the first creates the state, the second
     warms up as ours does), the state checked against AdamW in memory.
-    ``threads``: torch's intra-op threads (0: torch's default)."""
+    ``threads``: torch's intra-op threads (0: torch's default); ``fused``: AdamW's."""
     if threads:
         torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
@@ -417,7 +419,7 @@ def ds_swapper_child(n: int, work: str, threads: int) -> dict[str, Any]:
         p.ds_id = str(i)  # type: ignore[attr-defined]
     grads = [torch.randn_like(p) for p in params]
     ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opt = torch.optim.AdamW(params, lr=1e-4)
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=fused)
     sw = PipelinedOptimizerSwapper(cfg, aio, d, opt, per, "cpu", torch.float32, None)
     sw.initialize_parameters(parameters=params, src_tensors=[p.data for p in params])
     group = opt.param_groups[0]
@@ -440,7 +442,7 @@ def ds_swapper_child(n: int, work: str, threads: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     step()
     step_s = time.perf_counter() - t0
-    ro = torch.optim.AdamW(ref, lr=1e-4)
+    ro = torch.optim.AdamW(ref, lr=1e-4, fused=fused)
     for _ in range(3):
         for p, g in zip(ref, grads, strict=True):
             p.grad = g
@@ -454,10 +456,10 @@ def ds_swapper_child(n: int, work: str, threads: int) -> dict[str, Any]:
     return {"step_s": step_s, "bytes_read": moved, "bytes_written": moved, "bitwise_equal": equal}
 
 
-def ds_swapper(n: int, work: str, threads: int) -> dict[str, Any]:
+def ds_swapper(n: int, work: str, threads: int, fused: bool) -> dict[str, Any]:
     """ds_swapper_child in a child process; {"note": why} if it could not run."""
     cmd = [sys.executable, os.path.abspath(__file__), "--ds-child", str(n), "--dir", work]
-    cmd += ["--ds-threads", str(threads)]
+    cmd += ["--ds-threads", str(threads)] + (["--fused"] if fused else ["--no-fused"])
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode != 0 or not lines:
@@ -520,7 +522,7 @@ def report(s: dict[str, Any] | None, o: dict[str, Any] | None) -> str:
             for x in o["round_figures"]
         )
         lines += [
-            f"### Optimizer: AdamW, {o['params'] / 1e6:.0f}M fp32 params, state "
+            f"### Optimizer: AdamW(fused={o['fused']}), {o['params'] / 1e6:.0f}M fp32 params, state "
             f"{human_bytes(o['state_bytes'])}, budget {human_bytes(o['budget'])}, backend {o['backend']}; "
             f"median of {o['rounds']} rounds",
             "",
@@ -571,6 +573,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--opt-params", default="25M", help="fp32 parameters for the optimizer bench")
     ap.add_argument("--opt-budget", default="64M")
     ap.add_argument("--backend", default="auto", help="the optimizer's backend: auto, store or file")
+    ap.add_argument(
+        "--fused",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="AdamW(fused=True) on both sides (default; ZeRO-Offload's own CPU Adam is fused too)",
+    )
     ap.add_argument("--repeat", type=int, default=3, help="optimizer rounds (fio, ours, DeepSpeed), median")
     ap.add_argument("--fio-size", default="1G", help="fio's file for the bound (at least the state's size)")
     ap.add_argument("--workload", choices=["all", "stream", "optimizer"], default="all")
@@ -589,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ds-child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.ds_child is not None:
-        print(json.dumps(ds_swapper_child(args.ds_child, args.dir, args.ds_threads)))
+        print(json.dumps(ds_swapper_child(args.ds_child, args.dir, args.ds_threads, args.fused)))
         return 0
     work = tempfile.mkdtemp(prefix="aionvme-offload-", dir=args.dir)
     try:

@@ -23,15 +23,14 @@ def _grads(params, seed: int) -> None:
         p.grad = torch.randn(p.shape, generator=g)
 
 
-@pytest.mark.parametrize("backend", ["store", "file"])
-def test_reads_run_ahead_within_the_budget_and_buffers_are_reused(tmp_path, backend):
+@pytest.mark.parametrize(("backend", "fused"), [("store", False), ("file", False), ("store", True)])
+def test_reads_run_ahead_within_the_budget_and_buffers_are_reused(tmp_path, backend, fused):
     ours = _params(16, 64 << 10)  # 256 KiB each: state 512 KiB (+ a page for the step counters)
     ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
-    budget = 3 << 20  # ~5 chunks' state of 8 MiB: everything streams
-    opt = Optimizer(
-        torch.optim.AdamW, ours, tmp_path, lr=1e-3, weight_decay=0.1, budget=budget, backend=backend
-    )
-    mem = torch.optim.AdamW(ref, lr=1e-3, weight_decay=0.1)
+    budget = 3 << 20  # ~5 chunks' state of 512 KiB: everything streams
+    kw = {"lr": 1e-3, "weight_decay": 0.1, "fused": fused}
+    opt = Optimizer(torch.optim.AdamW, ours, tmp_path, budget=budget, backend=backend, **kw)
+    mem = torch.optim.AdamW(ref, **kw)
     threads = torch.get_num_threads()
     try:
         allocs = []
