@@ -247,10 +247,6 @@ def bench_optimizer(args: argparse.Namespace, work: str) -> dict[str, Any]:
     from aionvme.bench.peers import fio
 
     fio(probe, "write", "16M", 8, "libaio", fio_size)  # written once: every later write overwrites
-    # the optimizer's requests: block_size chunks, as many in flight as its streaming room holds
-    block = defaults.settings.block_size
-    depth = max(1, min(defaults.settings.queue_depth, min(budget, max(budget // 4, 128 << 20)) // block))
-    ours_cfg = (f"{block >> 20}M" if block % (1 << 20) == 0 else str(block), depth)
     kw = {"lr": 1e-4, "fused": args.fused}
     ref = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], **kw)
     for q, p in zip(ref.param_groups[0]["params"], params, strict=True):
@@ -270,6 +266,10 @@ def bench_optimizer(args: argparse.Namespace, work: str) -> dict[str, Any]:
     mem_s = min(mem_by.values())
     del ref
     opt = nvme.offload.Optimizer(torch.optim.AdamW, params, d, budget=budget, backend=args.backend, **kw)
+    # the optimizer's requests: block_size chunks, as many in flight as its streaming room holds
+    block = defaults.settings.block_size
+    depth = max(1, min(defaults.settings.queue_depth, opt.stream_room // block))
+    ours_cfg = (f"{block >> 20}M" if block % (1 << 20) == 0 else str(block), depth)
     rounds: list[dict[str, Any]] = []
     try:
         opt.step()  # creates the state
