@@ -241,7 +241,10 @@ class Optimizer(torch.optim.Optimizer):
             size = 0
             for p in g["params"]:
                 n = p.numel() * p.element_size()
-                if cur and size + n > self.chunk_size:
+                # a chunk less than half full takes the next parameter even past chunk_size:
+                # a bias between two weights joins the next weight instead of making a tiny
+                # chunk (chunks of even sizes share the pipeline's buffers best)
+                if cur and size + n > self.chunk_size and 2 * size >= self.chunk_size:
                     chunks.append(_Chunk(f"g{gi}c{len(chunks)}", cur))
                     cur, size = [], 0
                 cur.append((gi, p))

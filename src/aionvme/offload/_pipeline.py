@@ -104,12 +104,16 @@ class Pipeline:
         counts an overdraft: a chunk must be whole in memory to be stepped."""
         while True:
             fits = [j for j, b in enumerate(self.free) if b.numel() >= n]
-            if fits:
-                buf = self.free.pop(min(fits, key=lambda j: self.free[j].numel()))  # the smallest that fits
-                self.busy += 1
-                return buf
+            best = min(fits, key=lambda j: self.free[j].numel(), default=None)  # the smallest that fits
             with self.lock:
                 room = self.ledger.used + n <= self.budget
+            # a free buffer much larger than n is taken only when no new one fits: with chunks
+            # of mixed sizes, small chunks would otherwise hold the large buffers, and every
+            # large chunk would free small ones and allocate again, step after step
+            if best is not None and (not room or self.free[best].numel() <= 2 * n):
+                buf = self.free.pop(best)
+                self.busy += 1
+                return buf
             if room:
                 buf = self._new(n)
                 self.busy += 1
