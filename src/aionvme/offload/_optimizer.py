@@ -205,6 +205,7 @@ class Optimizer(torch.optim.Optimizer):
             default_chunk = self.stream_room // (_DEPTH * ratio)
         self.chunk_size = parse_size(chunk_size) if chunk_size is not None else max(1, default_chunk)
         self._chunks: list[_Chunk] = []
+        self._plan: list[int] | None = None  # residency sums: state (estimated), largest chunk, resident
         self._chunked_groups: list[list[int]] = []
         # Counts the state bytes in memory (peak in stats()): resident chunks and the
         # pipeline's buffers. The pipeline keeps it within the budget by waiting.
@@ -257,6 +258,7 @@ class Optimizer(torch.optim.Optimizer):
                     self.ledger.release(id(c))
         self._loop.run(self._pipe.trim())  # buffers were sized for the old chunks
         self._chunks = chunks
+        self._plan = None
         self._chunked_groups = shape
         if self._inner.state:
             self._scatter_state()
@@ -321,12 +323,11 @@ class Optimizer(torch.optim.Optimizer):
                 if job is not None and job.key is None:
                     self._loop.loop.call_soon_threadsafe(pipe.advance, i)
                 if c.resident is not None:
-                    continue  # updated in place, or moved to a new resident blob by _pack
+                    continue  # updated in place (a new layout gives up residency in _pack)
                 buf = held.pop()
                 if self._may_keep(c):
                     self._loop.run(pipe.keep(buf, id(c)))
-                    c.resident = blob
-                    c.stored = False
+                    self._kept(c, blob, buf.numel())
                     continue
                 writes.append(self._loop.submit(pipe.write(c.key, buf, c.nbytes)))
                 c.stored = True
@@ -346,16 +347,27 @@ class Optimizer(torch.optim.Optimizer):
     def _may_keep(self, c: _Chunk) -> bool:
         """Keep a chunk's state in memory (pinned) when all the state fits the
         budget, or when what stays leaves the streaming room (chunks not yet
-        stepped are estimated from the state/parameter ratio seen so far)."""
-        known = [x for x in self._chunks if x.spec]
-        ratio = max((x.nbytes / max(1, _param_bytes(x)) for x in known), default=2.0)
-        sizes = [x.nbytes if x.spec else _pages(int(ratio * _param_bytes(x))) for x in self._chunks]
-        if sum(sizes) <= self.budget:
+        stepped are estimated from the state/parameter ratio seen so far).
+        The sums are made once and kept until a chunk's size changes: this
+        runs for every streamed chunk at every step."""
+        if self._plan is None:
+            known = [x for x in self._chunks if x.spec]
+            ratio = max((x.nbytes / max(1, _param_bytes(x)) for x in known), default=2.0)
+            sizes = [x.nbytes if x.spec else _pages(int(ratio * _param_bytes(x))) for x in self._chunks]
+            with self._lock:
+                kept = sum(self.ledger.held.get(id(x), 0) for x in self._chunks)
+            self._plan = [sum(sizes), max(sizes, default=0), kept]
+        total, largest, kept = self._plan
+        if total <= self.budget:
             return True
-        room = max(3 * max(sizes, default=0), self.stream_room)
-        with self._lock:
-            kept = sum(self.ledger.held.get(id(x), 0) for x in self._chunks if x is not c)
-        return kept + c.nbytes + room <= self.budget
+        return kept + c.nbytes + max(3 * largest, self.stream_room) <= self.budget
+
+    def _kept(self, c: _Chunk, blob: torch.Tensor, nbytes: int) -> None:
+        """``blob`` (``nbytes`` in the ledger) is the chunk's resident state from now on."""
+        c.resident = blob
+        c.stored = False
+        if self._plan is not None:
+            self._plan[2] += nbytes
 
     def _install(self, c: _Chunk, blob: torch.Tensor | None) -> None:
         """Put the chunk's state into the wrapped optimizer as views of ``blob``."""
@@ -462,6 +474,7 @@ class Optimizer(torch.optim.Optimizer):
                 self.ledger.release(id(c))
             c.resident = None
         c.spec, c.nbytes, c.stored = spec, nbytes, False
+        self._plan = None  # sizes changed: the residency sums are made again
         return new[:nbytes]
 
     # -- reading it all ------------------------------------------------------------
@@ -489,9 +502,9 @@ class Optimizer(torch.optim.Optimizer):
             c.spec = ()
             blob = self._pack(c, None, None)  # gives back the chunk's resident blob, if any
             if self._may_keep(c):
-                c.resident = blob
                 with self._lock:
                     self.ledger.reserve(id(c), blob.numel())
+                self._kept(c, blob, blob.numel())
             else:
                 futs.append(self._loop.submit(self._store.write(c.key, blob)))
                 c.stored = True
@@ -513,6 +526,7 @@ class Optimizer(torch.optim.Optimizer):
         """Load a ``state_dict()`` (ours or the in-memory optimizer's) and
         write its state out to the chunks."""
         self._rechunk()
+        self._plan = None
         for c in self._chunks:
             if c.resident is not None:
                 with self._lock:
