@@ -134,3 +134,27 @@ def test_a_parameter_whose_state_exceeds_the_budget_is_an_overdraft(tmp_path):
         assert st["overdrafts"] > 0 and st["peak_memory_bytes"] > budget
         for p, q in zip(ref, ours, strict=True):
             assert torch.equal(p, q)
+
+
+def test_steps_after_an_error_at_the_first_chunk_of_the_first_step(tmp_path):
+    ours = _params(12, 64 << 10, seed=4)
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = Optimizer(_Flaky, ours, tmp_path, lr=1e-3, budget=2 << 20)
+    mem = torch.optim.AdamW(ref, lr=1e-3)
+    try:
+        _grads(ours, 0)
+        _Flaky.fail_on = ours[0]  # fails before any state exists: the next steps start it afresh
+        with pytest.raises(RuntimeError, match="boom"):
+            opt.step()
+        _Flaky.fail_on = None
+        for s in range(3):
+            _grads(ours, s)
+            _grads(ref, s)
+            opt.step()
+            mem.step()
+        for p, q in zip(ref, ours, strict=True):
+            assert torch.equal(p, q)
+        assert opt.stats()["buffers_in_use"] == 0
+    finally:
+        _Flaky.fail_on = None
+        opt.close()

@@ -79,9 +79,11 @@ class Pipeline:
             w.set_result(None)
 
     async def _wait_change(self) -> None:
-        if self._change is None:
+        if self._change is None or self._change.done():
             self._change = asyncio.get_running_loop().create_future()
-        await self._change
+        # shielded: a waiter cancelled (the step's end cancels the reader) must not cancel
+        # the future the other waiters share
+        await asyncio.shield(self._change)
 
     def _new(self, n: int) -> torch.Tensor:
         buf: torch.Tensor = empty(n, "uint8", like="torch")
