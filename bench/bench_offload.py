@@ -15,9 +15,14 @@ same model, budget and input. Outputs are checked ``allclose`` to the model in
 memory.
 
 Optimizer: ``aionvme.offload.Optimizer(torch.optim.AdamW)`` over
-``--opt-params`` fp32 parameters under ``--opt-budget``; one step (after the
-first, which creates the state) against its I/O bound, state bytes read /
-fio read bandwidth + bytes written / fio write bandwidth. Side by side:
+``--opt-params`` fp32 parameters under ``--opt-budget``; after the step that
+creates the state and one untimed step that streams it, ``--repeat`` rounds
+of: fio's sweep, one cold step of ours, one of DeepSpeed's (reversed every
+other round), each step against the I/O bound of its round, state bytes read
+/ fio read bandwidth + bytes written / fio write bandwidth, fio's best of our
+request size and depth and a few larger ones, O_DIRECT on a file at least as
+large as the state (``--fio-size``), already written. Medians are reported.
+Side by side:
 DeepSpeed's ``PipelinedOptimizerSwapper`` (ZeRO-Infinity's NVMe optimizer
 swapper, pipeline_read/pipeline_write on) driven as ZeRO-3's step drives it
 (swap in sub-group i while i-1 is written, torch AdamW on each sub-group),
@@ -68,6 +73,32 @@ def fio_bw(path: str, rw: str, size: int) -> float:
         job = json.loads(out[out.index("{") :])["jobs"][0]
         best = max(best, float(job["read" if rw == "read" else "write"]["bw_bytes"]))
     return best
+
+
+def fio_sweep(path: str, size: int, ours: tuple[str, int]) -> dict[str, Any]:
+    """The device's best sequential read and write bandwidth (bytes/s) on ``path``
+    (``size`` bytes, already written: writes overwrite, as the optimizer's do), fio
+    libaio O_DIRECT at the optimizer's own request size and depth (``ours``) and at a
+    small sweep of larger requests and depths; the best of each direction is the bound."""
+    from aionvme.bench.peers import fio
+
+    configs = list(dict.fromkeys([ours, ("1M", 32), ("4M", 16), ("16M", 8), ("16M", 32)]))
+    runs: dict[str, dict[str, float]] = {"read": {}, "write": {}}
+    for rw in ("read", "write"):
+        for bs, qd in configs:
+            r = fio(path, rw, bs, qd, "libaio", size)
+            runs[rw][f"bs={bs} qd={qd}"] = r.nbytes / r.wall_s
+    best = {rw: max(v.values()) for rw, v in runs.items()}
+    return {
+        "read_Bps": best["read"],
+        "write_Bps": best["write"],
+        "read_best": max(runs["read"], key=runs["read"].__getitem__),
+        "write_best": max(runs["write"], key=runs["write"].__getitem__),
+        "ours": f"bs={ours[0]} qd={ours[1]}",
+        "ours_read_Bps": runs["read"][f"bs={ours[0]} qd={ours[1]}"],
+        "ours_write_Bps": runs["write"][f"bs={ours[0]} qd={ours[1]}"],
+        "runs": runs,
+    }
 
 
 def llama_config(total: int) -> Any:
@@ -198,7 +229,11 @@ def bench_stream(args: argparse.Namespace, work: str) -> dict[str, Any]:
 
 
 def bench_optimizer(args: argparse.Namespace, work: str) -> dict[str, Any]:
+    """``--repeat`` rounds, each: fio's sweep (the bound of that round), one cold step of
+    ours, one cold step of DeepSpeed's swapper (in that order, reversed every other
+    round, so that neither side always runs on the heels of the other)."""
     import aionvme as nvme
+    from aionvme import defaults
 
     n, budget = parse_size(args.opt_params), parse_size(args.opt_budget)
     per = 1 << 20  # 1M-element tensors (4 MiB): several chunks fit the budget
@@ -206,60 +241,158 @@ def bench_optimizer(args: argparse.Namespace, work: str) -> dict[str, Any]:
     for p in params:
         p.grad = torch.randn_like(p)
     d = os.path.join(work, "optim")
+    state = 8 * n  # AdamW: exp_avg and exp_avg_sq, fp32
+    fio_size = max(parse_size(args.fio_size), state) // (16 << 20) * (16 << 20) + (16 << 20)
     probe = os.path.join(work, "fio.bin")
-    with open(probe, "wb") as f:
-        f.truncate(256 << 20)
-    fio_write = fio_bw(probe, "write", 256 << 20)
-    fio_read = fio_bw(probe, "read", 256 << 20)
-    os.unlink(probe)
-    opt = nvme.offload.Optimizer(torch.optim.AdamW, params, d, lr=1e-4, budget=budget)
+    from aionvme.bench.peers import fio
+
+    fio(probe, "write", "16M", 8, "libaio", fio_size)  # written once: every later write overwrites
+    kw = {"lr": 1e-4, "fused": args.fused}
+    ref = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], **kw)
+    for q, p in zip(ref.param_groups[0]["params"], params, strict=True):
+        q.grad = p.grad
+    ref.step()
+    threads = torch.get_num_threads()
+    mem_by: dict[int, float] = {}
+    for th in dict.fromkeys([threads, max(1, threads - 1)]):  # the faster is the compute bound
+        torch.set_num_threads(th)
+        mem = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            ref.step()
+            mem.append(time.perf_counter() - t0)
+        mem_by[th] = statistics.median(mem)
+    torch.set_num_threads(threads)
+    mem_s = min(mem_by.values())
+    del ref
+    opt = nvme.offload.Optimizer(torch.optim.AdamW, params, d, budget=budget, backend=args.backend, **kw)
+    # the optimizer's requests: block_size chunks, as many in flight as its streaming room holds
+    block = defaults.settings.block_size
+    depth = max(1, min(defaults.settings.queue_depth, opt.stream_room // block))
+    ours_cfg = (f"{block >> 20}M" if block % (1 << 20) == 0 else str(block), depth)
+    rounds: list[dict[str, Any]] = []
     try:
         opt.step()  # creates the state
-        before = opt.stats()
-        _cold()
-        t0 = time.perf_counter()
+        # and one step that streams it, untimed: it allocates the buffers the reads ahead
+        # use from then on, and the store's second set of extents (a put writes the new
+        # value before it frees the old one); a training run pays this once
         opt.step()
-        step_s = time.perf_counter() - t0
-        after = opt.stats()
+        for r in range(args.repeat):
+            rnd: dict[str, Any] = {}
+
+            def ours(rnd: dict[str, Any] = rnd) -> None:
+                before = opt.stats()
+                _cold()
+                t0 = time.perf_counter()
+                opt.step()
+                rnd["step_s"] = time.perf_counter() - t0
+                after = opt.stats()
+                for k in ("bytes_read", "bytes_written", "io_wait_s", "compute_s"):
+                    rnd[k] = after[k] - before[k]
+                rnd["peak_memory_bytes"] = after["peak_memory_bytes"]
+                rnd["overdrafts"] = after["overdrafts"]
+
+            def bound(rnd: dict[str, Any] = rnd) -> None:
+                rnd["fio"] = fio_sweep(probe, fio_size, ours_cfg)
+
+            def deepspeed(rnd: dict[str, Any] = rnd) -> None:
+                rnd["deepspeed"] = (
+                    ds_swapper(n, work, args.ds_threads, args.fused)
+                    if args.deepspeed
+                    else {"note": "not run (--no-deepspeed)"}
+                )
+
+            order = [bound, ours, deepspeed]
+            for f in order if r % 2 == 0 else order[::-1]:
+                f()
+            f_r, f_w = rnd["fio"]["read_Bps"], rnd["fio"]["write_Bps"]
+            rnd["io_bound_s"] = rnd["bytes_read"] / f_r + rnd["bytes_written"] / f_w
+            rnd["ratio_to_io_bound"] = rnd["io_bound_s"] / rnd["step_s"]
+            ds = rnd["deepspeed"]
+            if "step_s" in ds:
+                ds["io_bound_s"] = ds["bytes_read"] / f_r + ds["bytes_written"] / f_w
+                ds["ratio_to_io_bound"] = ds["io_bound_s"] / ds["step_s"]
+            rounds.append(rnd)
+        st = opt.stats()
     finally:
         opt.close()
-    rd = after["bytes_read"] - before["bytes_read"]
-    wr = after["bytes_written"] - before["bytes_written"]
-    io_bound = rd / fio_read + wr / fio_write
-    ref = torch.optim.AdamW(params, lr=1e-4)
-    ref.step()
-    mem = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        ref.step()
-        mem.append(time.perf_counter() - t0)
-    mem_s = statistics.median(mem)
-    ds = ds_swapper(n, work) if args.deepspeed else {"note": "not run (--no-deepspeed)"}
-    if "step_s" in ds:
-        ds["io_bound_s"] = ds["bytes_read"] / fio_read + ds["bytes_written"] / fio_write
-        ds["ratio_to_io_bound"] = ds["io_bound_s"] / ds["step_s"]
+        os.unlink(probe)
+
+    def med(get: Any) -> float:
+        vals = [get(x) for x in rounds]
+        vals = [v for v in vals if v is not None]
+        return statistics.median(vals) if vals else float("nan")
+
+    def ds_get(k: str) -> Any:
+        return lambda x: x["deepspeed"].get(k)
+
+    ds_rounds = [x["deepspeed"] for x in rounds if "step_s" in x["deepspeed"]]
+    ds: dict[str, Any] = {"note": rounds[0]["deepspeed"].get("note", "")} if rounds else {}
+    if ds_rounds:
+        ds = {
+            "step_s": med(ds_get("step_s")),
+            "bytes_read": ds_rounds[0]["bytes_read"],
+            "bytes_written": ds_rounds[0]["bytes_written"],
+            "io_bound_s": med(ds_get("io_bound_s")),
+            "ratio_to_io_bound": med(ds_get("ratio_to_io_bound")),
+            "bitwise_equal": all(x["bitwise_equal"] for x in ds_rounds),
+            "step_s_all": [x["step_s"] for x in ds_rounds],
+            "threads": args.ds_threads,
+        }
+    rd, wr = rounds[-1]["bytes_read"], rounds[-1]["bytes_written"]
+    step_s = med(lambda x: x["step_s"])
     return {
         "deepspeed": ds,
         "params": n,
-        "state_bytes": after["state_bytes"],
+        "state_bytes": st["state_bytes"],
         "budget": budget,
+        "backend": args.backend,
+        "fused": args.fused,
+        "rounds": len(rounds),
+        "fio_size": fio_size,
+        "fio_ours": rounds[0]["fio"]["ours"],
         "bytes_read": rd,
         "bytes_written": wr,
-        "fio_read_Bps": fio_read,
-        "fio_write_Bps": fio_write,
+        "fio_read_Bps": med(lambda x: x["fio"]["read_Bps"]),
+        "fio_write_Bps": med(lambda x: x["fio"]["write_Bps"]),
+        "fio_ours_read_Bps": med(lambda x: x["fio"]["ours_read_Bps"]),
+        "fio_ours_write_Bps": med(lambda x: x["fio"]["ours_write_Bps"]),
         "step_s": step_s,
-        "io_bound_s": io_bound,
-        "ratio_to_io_bound": io_bound / step_s,
+        "GBps": (rd + wr) / step_s / 1e9,
+        "io_wait_s": med(lambda x: x["io_wait_s"]),
+        "compute_s": med(lambda x: x["compute_s"]),
+        "io_bound_s": med(lambda x: x["io_bound_s"]),
+        "ratio_to_io_bound": med(lambda x: x["ratio_to_io_bound"]),
         "in_memory_step_s": mem_s,
-        "ratio_to_bound": max(io_bound, mem_s) / step_s,
-        "peak_memory_bytes": after["peak_memory_bytes"],
+        "in_memory_by_threads": mem_by,
+        "ratio_to_bound": statistics.median(max(x["io_bound_s"], mem_s) / x["step_s"] for x in rounds),
+        "peak_memory_bytes": st["peak_memory_bytes"],
+        "overdrafts": st["overdrafts"],
+        "round_figures": [
+            {
+                "step_s": x["step_s"],
+                "io_bound_s": x["io_bound_s"],
+                "ratio": x["ratio_to_io_bound"],
+                "fio_read_Bps": x["fio"]["read_Bps"],
+                "fio_write_Bps": x["fio"]["write_Bps"],
+                "fio_read_best": x["fio"]["read_best"],
+                "fio_write_best": x["fio"]["write_best"],
+                "ds_step_s": x["deepspeed"].get("step_s"),
+                "ds_ratio": x["deepspeed"].get("ratio_to_io_bound"),
+            }
+            for x in rounds
+        ],
     }
 
 
-def ds_swapper_child(n: int, work: str) -> dict[str, Any]:
+def ds_swapper_child(n: int, work: str, threads: int, fused: bool) -> dict[str, Any]:
     """In a child process: DeepSpeed's PipelinedOptimizerSwapper over n fp32
     parameters in 1M-element sub-groups, stepped as ZeRO-3 steps them; the
-    second step timed (cold cache), the state checked against AdamW in memory."""
+    third step timed (cold cache; the first creates the state, the second
+    warms up as ours does), the state checked against AdamW in memory.
+    ``threads``: torch's intra-op threads (0: torch's default); ``fused``: AdamW's."""
+    if threads:
+        torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     import aionvme.compat.deepspeed as drop_in
@@ -286,7 +419,7 @@ def ds_swapper_child(n: int, work: str) -> dict[str, Any]:
         p.ds_id = str(i)  # type: ignore[attr-defined]
     grads = [torch.randn_like(p) for p in params]
     ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opt = torch.optim.AdamW(params, lr=1e-4)
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=fused)
     sw = PipelinedOptimizerSwapper(cfg, aio, d, opt, per, "cpu", torch.float32, None)
     sw.initialize_parameters(parameters=params, src_tensors=[p.data for p in params])
     group = opt.param_groups[0]
@@ -304,12 +437,13 @@ def ds_swapper_child(n: int, work: str) -> dict[str, Any]:
             sw.swap_out_optimizer_state(parameter=p, async_swap=nxt is not None)
 
     step()  # creates the state
+    step()  # warm-up, untimed, as ours
     _cold()
     t0 = time.perf_counter()
     step()
     step_s = time.perf_counter() - t0
-    ro = torch.optim.AdamW(ref, lr=1e-4)
-    for _ in range(2):
+    ro = torch.optim.AdamW(ref, lr=1e-4, fused=fused)
+    for _ in range(3):
         for p, g in zip(ref, grads, strict=True):
             p.grad = g
         ro.step()
@@ -322,9 +456,10 @@ def ds_swapper_child(n: int, work: str) -> dict[str, Any]:
     return {"step_s": step_s, "bytes_read": moved, "bytes_written": moved, "bitwise_equal": equal}
 
 
-def ds_swapper(n: int, work: str) -> dict[str, Any]:
+def ds_swapper(n: int, work: str, threads: int, fused: bool) -> dict[str, Any]:
     """ds_swapper_child in a child process; {"note": why} if it could not run."""
     cmd = [sys.executable, os.path.abspath(__file__), "--ds-child", str(n), "--dir", work]
+    cmd += ["--ds-threads", str(threads)] + (["--fused"] if fused else ["--no-fused"])
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode != 0 or not lines:
@@ -380,21 +515,37 @@ def report(s: dict[str, Any] | None, o: dict[str, Any] | None) -> str:
             "",
         ]
     if o:
+        gb = 1e9
+        rows = "; ".join(
+            f"{x['step_s']:.3f} s / bound {x['io_bound_s']:.3f} s = {x['ratio']:.2f}x"
+            + (f", DeepSpeed {x['ds_step_s']:.3f} s" if x["ds_step_s"] is not None else "")
+            for x in o["round_figures"]
+        )
         lines += [
-            f"### Optimizer: AdamW, {o['params'] / 1e6:.0f}M fp32 params, state "
-            f"{human_bytes(o['state_bytes'])}, budget {human_bytes(o['budget'])}",
+            f"### Optimizer: AdamW(fused={o['fused']}), {o['params'] / 1e6:.0f}M fp32 params, state "
+            f"{human_bytes(o['state_bytes'])}, budget {human_bytes(o['budget'])}, backend {o['backend']}; "
+            f"median of {o['rounds']} rounds",
             "",
             "| | seconds | note |",
             "|---|---|---|",
             f"| aionvme Optimizer.step | {o['step_s']:.3f} | read {human_bytes(o['bytes_read'])}, "
-            f"wrote {human_bytes(o['bytes_written'])}, peak {human_bytes(o['peak_memory_bytes'])} |",
+            f"wrote {human_bytes(o['bytes_written'])}, {o['GBps']:.2f} GB/s; waits for reads "
+            f"{o['io_wait_s']:.3f} s, math {o['compute_s']:.3f} s; peak {human_bytes(o['peak_memory_bytes'])}"
+            f"{'' if not o['overdrafts'] else ', OVER BUDGET ' + str(o['overdrafts']) + 'x'} |",
             f"| I/O bound (read / fio read + write / fio write) | {o['io_bound_s']:.3f} | "
-            f"fio {o['fio_read_Bps'] / 1e9:.2f} / {o['fio_write_Bps'] / 1e9:.2f} GB/s |",
-            f"| torch AdamW in memory | {o['in_memory_step_s']:.3f} | |",
+            f"fio best {o['fio_read_Bps'] / gb:.2f} / {o['fio_write_Bps'] / gb:.2f} GB/s "
+            f"(at our {o['fio_ours']}: {o['fio_ours_read_Bps'] / gb:.2f} / "
+            f"{o['fio_ours_write_Bps'] / gb:.2f}); "
+            f"{human_bytes(o['fio_size'])} file |",
+            f"| torch AdamW in memory | {o['in_memory_step_s']:.3f} | the faster of "
+            + ", ".join(f"{t} thread(s) {v:.3f} s" for t, v in o["in_memory_by_threads"].items())
+            + " |",
             _ds_row(o["deepspeed"]),
             "",
             f"ratio to I/O bound **{o['ratio_to_io_bound']:.2f}x** (target >= 0.85); "
             f"to max(I/O, compute) {o['ratio_to_bound']:.2f}x",
+            "",
+            f"rounds: {rows}",
             "",
         ]
     return "\n".join(lines)
@@ -406,7 +557,9 @@ def _ds_row(ds: dict[str, Any]) -> str:
     return (
         f"| DeepSpeed PipelinedOptimizerSwapper (drop-in) | {ds['step_s']:.3f} | "
         f"read {human_bytes(ds['bytes_read'])}, wrote {human_bytes(ds['bytes_written'])} (param + state), "
-        f"{ds['ratio_to_io_bound']:.2f}x its I/O bound, bitwise={ds['bitwise_equal']} |"
+        f"{(ds['bytes_read'] + ds['bytes_written']) / ds['step_s'] / 1e9:.2f} GB/s, "
+        f"{ds['ratio_to_io_bound']:.2f}x its I/O bound, bitwise={ds['bitwise_equal']}, "
+        f"torch threads {ds.get('threads') or 'default'} |"
     )
 
 
@@ -419,6 +572,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shard", default="200MB", help="save_pretrained max_shard_size")
     ap.add_argument("--opt-params", default="25M", help="fp32 parameters for the optimizer bench")
     ap.add_argument("--opt-budget", default="64M")
+    ap.add_argument("--backend", default="auto", help="the optimizer's backend: auto, store or file")
+    ap.add_argument(
+        "--fused",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="AdamW(fused=True) on both sides (default; ZeRO-Offload's own CPU Adam is fused too)",
+    )
+    ap.add_argument("--repeat", type=int, default=3, help="optimizer rounds (fio, ours, DeepSpeed), median")
+    ap.add_argument("--fio-size", default="1G", help="fio's file for the bound (at least the state's size)")
     ap.add_argument("--workload", choices=["all", "stream", "optimizer"], default="all")
     ap.add_argument("--dir", default=None, help="scratch directory (on the NVMe drive)")
     ap.add_argument("--plot", default=None, help="PNG of one pass's timeline")
@@ -426,10 +588,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--no-deepspeed", dest="deepspeed", action="store_false", help="skip DeepSpeed's optimizer swapper"
     )
+    ap.add_argument(
+        "--ds-threads",
+        type=int,
+        default=max(1, torch.get_num_threads() - 1),
+        help="torch threads of DeepSpeed's side (default: as many as our optimizer's math; 0: torch's)",
+    )
     ap.add_argument("--ds-child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.ds_child is not None:
-        print(json.dumps(ds_swapper_child(args.ds_child, args.dir)))
+        print(json.dumps(ds_swapper_child(args.ds_child, args.dir, args.ds_threads, args.fused)))
         return 0
     work = tempfile.mkdtemp(prefix="aionvme-offload-", dir=args.dir)
     try:

@@ -110,7 +110,7 @@ def _optimizer_step(workdir: str, params: int, budget: int) -> dict[str, Any]:
         "read": after["bytes_read"] - before["bytes_read"],
         "written": after["bytes_written"] - before["bytes_written"],
         "state_bytes": after["state_bytes"],
-        "peak_memory_bytes": after["peak_memory_bytes"] + after["store_host_bytes"],
+        "peak_memory_bytes": after["peak_memory_bytes"],
     }
 
 

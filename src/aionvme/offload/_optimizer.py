@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -15,12 +16,16 @@ import torch
 from ..defaults import parse_size
 from ..memory import empty
 from ._loop import LoopThread
+from ._pipeline import Job, Pipeline
 from ._planner import Ledger
 from ._state import BlobStore, open_blob_store
 
 __all__ = ["Optimizer"]
 
 _ALIGN = 64  # state tensors inside a blob start on cache-line boundaries
+_PAGE = 4096  # a blob is whole pages: read and written with O_DIRECT, no bounce for a tail
+_DEPTH = 6  # chunks the streaming room is sized for: 2-3 read ahead, 1 stepped, 2 written behind
+_ROOM = 64 << 20  # default streaming room (a quarter of the budget when that is more): bytes in flight
 _LOW = (torch.bfloat16, torch.float16)  # parameters that get an fp32 master with master_weights=True
 MASTER = "master"  # the state key of a parameter's fp32 master copy
 
@@ -53,6 +58,10 @@ def _spec_of(
     return tuple(spec), pos
 
 
+def _pages(n: int) -> int:
+    return max(_PAGE, (n + _PAGE - 1) // _PAGE * _PAGE)
+
+
 def _param_bytes(c: _Chunk) -> int:
     return sum(p.numel() * p.element_size() for _, p in c.params)
 
@@ -77,17 +86,36 @@ class Optimizer(torch.optim.Optimizer):
     path : str or os.PathLike
         Directory for the state file (removed by :meth:`close`).
     budget : int or str
-        Host memory for the state, e.g. ``"1G"``: the three chunks in the
-        pipeline plus any chunks kept resident (all of them when the state
-        fits, so no I/O at all after the first step).
+        Host memory for the state, e.g. ``"1G"``: the chunks kept resident
+        (all of them when the state fits, so no I/O at all after the first
+        step) and the buffers the other chunks stream through. Measured in
+        :meth:`stats` (``peak_memory_bytes``).
     chunk_size : int or str, optional
-        Parameter bytes per chunk (a chunk never mixes groups); default
-        budget / 8 (Adam keeps two states per parameter).
+        Parameter bytes per chunk (a chunk never mixes groups). Default:
+        budget / 8 when the state fits the budget, else ``stream_room`` / 12
+        (six chunks of Adam's state, two states per parameter).
+    stream_room : int or str, optional
+        When the state does not fit the budget: the part of the budget the
+        chunks that are not kept resident stream through (reads ahead, the
+        chunk being updated, writes behind); the rest keeps chunks resident.
+        More room keeps more bytes in flight (the device's bandwidth wants
+        tens of MiB), less keeps more chunks resident (each resident byte
+        saves two of I/O per step). Default: a quarter of the budget, at
+        least 64 MiB, at most the budget.
+    threads : int, optional
+        torch's intra-op threads for the math of a step that streams state
+        (set on the calling thread for the step, restored after; the results
+        do not depend on it: the optimizers' updates are elementwise).
+        Default: one less than torch's setting (at least one), leaving a
+        core to the I/O thread: an OpenMP team one of whose threads loses its
+        core waits at every operation's barrier (measured on 2 vCPUs with the
+        other core busy: AdamW's step 0.05-0.1 s with one thread, 0.5-1.4 s
+        with two). 0: torch's setting as it is.
     backend : {"auto", "store", "file"}
-        Where state goes: an :class:`aionvme.TieredStore` (``"store"``; half
-        the budget is its host tier, which keeps the hottest chunks in
-        memory; ``"auto"`` is the same), or one O_DIRECT file (``"file"``;
-        chunks that fit the budget next to the pipeline stay in memory).
+        Where streamed state goes: the NVMe tier of an
+        :class:`aionvme.TieredStore` (``"store"``, and ``"auto"``), or one
+        preallocated O_DIRECT file (``"file"``). Either way reads and writes
+        go straight between the device and the buffers the math updates.
     master_weights : bool
         Keep an fp32 master copy of every bf16/fp16 parameter in its state,
         next to ``exp_avg``/``exp_avg_sq`` (so on NVMe too), as
@@ -100,10 +128,24 @@ class Optimizer(torch.optim.Optimizer):
 
     Notes
     -----
-    ``step()`` goes over the chunks in order: the state of chunk i+1 is read
-    while chunk i is updated (torch's optimizer run on that chunk alone, its
-    state swapped in), and chunk i-1 is written back; at most three chunks'
-    state is in memory. Reads and writes run on aionvme's background event-loop thread.
+    ``step()`` goes over the chunks in order, updating each with torch's
+    optimizer run on that chunk alone, its state swapped in as views of one
+    page-aligned buffer. The state of the chunks ahead is read into free
+    buffers as far as the budget allows while a chunk is updated, and the
+    chunks behind are written back from the same buffers meanwhile (reads and
+    writes run on aionvme's background event-loop thread, the math on the
+    caller's): nothing is copied between the device and the math. Buffers are
+    kept from step to step. Chunks kept resident are chosen once, in order,
+    at the first step (for a cyclic pass, pinning beats any recency cache:
+    an LRU cache smaller than the state would miss on every chunk).
+
+    The budget is kept by waiting: a read ahead starts only when its buffer
+    fits. The one exception is a chunk whose state alone is larger than what
+    the resident chunks leave (a parameter with state larger than the
+    budget): it is stepped anyway, over the budget, and ``stats()`` counts an
+    ``overdraft``; give such a parameter a larger budget. The optimizer's own
+    fresh state at a chunk's first step (made by torch, then packed) is
+    transient memory outside the budget.
     ``param_groups`` are the wrapped optimizer's (LR schedulers work);
     ``state`` stays empty, since the state is not in memory: use
     :meth:`state_dict`, which reads it all and has the in-memory optimizer's
@@ -128,6 +170,8 @@ class Optimizer(torch.optim.Optimizer):
         *,
         budget: int | str = "1G",
         chunk_size: int | str | None = None,
+        stream_room: int | str | None = None,
+        threads: int | None = None,
         backend: str = "auto",
         master_weights: bool = False,
         **kwargs: Any,
@@ -138,19 +182,36 @@ class Optimizer(torch.optim.Optimizer):
         super().__init__(self._inner.param_groups, self._inner.defaults)
         self.param_groups = self._inner.param_groups
         self.budget = parse_size(budget)
+        if stream_room is None:
+            room = max(self.budget // 4, _ROOM)
+        else:
+            room = parse_size(stream_room)
+            if room <= 0:
+                raise ValueError(f"stream_room must be positive, got {stream_room!r}")
+        self.stream_room = min(self.budget, room)
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 0):
+            raise ValueError(f"threads must be a non-negative int or None, got {threads!r}")
+        self.threads = threads
         self._loop = LoopThread("optimizer")
-        self._store: BlobStore = open_blob_store(os.fspath(path), backend, self.budget // 2)
-        # Adam keeps two states per parameter: a chunk's state is ~2x chunk_size,
-        # and three chunks are in the pipeline (next to the store's host tier, if any).
-        # An fp32 master and fp32 state for a bf16 parameter: ~6x its bytes, not 2x.
+        self._store: BlobStore = open_blob_store(os.fspath(path), backend)
+        # Adam keeps two states per parameter; an fp32 master and fp32 state
+        # for a bf16 parameter: ~6x its bytes.
         low = master_weights and any(p.dtype in _LOW for g in self.param_groups for p in g["params"])
-        default_chunk = self.budget // ((16 if self._store.caches else 8) * (3 if low else 1))
+        ratio = 2 * (3 if low else 1)
+        total = sum(p.numel() * p.element_size() for g in self.param_groups for p in g["params"])
+        if ratio * total <= self.budget:
+            default_chunk = self.budget // (4 * ratio)
+        else:
+            default_chunk = self.stream_room // (_DEPTH * ratio)
         self.chunk_size = parse_size(chunk_size) if chunk_size is not None else max(1, default_chunk)
         self._chunks: list[_Chunk] = []
+        self._plan: list[int] | None = None  # residency sums: state (estimated), largest chunk, resident
         self._chunked_groups: list[list[int]] = []
-        # Counts the state bytes in memory (peak in stats()); the budget is kept
-        # by the choice of chunk size and resident chunks, not by refusing.
+        # Counts the state bytes in memory (peak in stats()): resident chunks and the
+        # pipeline's buffers. The pipeline keeps it within the budget by waiting.
         self.ledger = Ledger(1 << 62)
+        self._lock = threading.Lock()
+        self._pipe = Pipeline(self._store, self.ledger, self._lock, self.budget)
         self.io_wait_s = 0.0
         self.compute_s = 0.0
         self.steps = 0
@@ -181,17 +242,23 @@ class Optimizer(torch.optim.Optimizer):
             size = 0
             for p in g["params"]:
                 n = p.numel() * p.element_size()
-                if cur and size + n > self.chunk_size:
+                # a chunk less than half full takes the next parameter even past chunk_size:
+                # a bias between two weights joins the next weight instead of making a tiny
+                # chunk (chunks of even sizes share the pipeline's buffers best)
+                if cur and size + n > self.chunk_size and 2 * size >= self.chunk_size:
                     chunks.append(_Chunk(f"g{gi}c{len(chunks)}", cur))
                     cur, size = [], 0
                 cur.append((gi, p))
                 size += n
             if cur:
                 chunks.append(_Chunk(f"g{gi}c{len(chunks)}", cur))
-        for c in self._chunks:
-            if c.resident is not None:
-                self.ledger.release(id(c))
+        with self._lock:
+            for c in self._chunks:
+                if c.resident is not None:
+                    self.ledger.release(id(c))
+        self._loop.run(self._pipe.trim())  # buffers were sized for the old chunks
         self._chunks = chunks
+        self._plan = None
         self._chunked_groups = shape
         if self._inner.state:
             self._scatter_state()
@@ -209,81 +276,98 @@ class Optimizer(torch.optim.Optimizer):
                 loss = closure()
         self._rechunk()
         todo = [c for c in self._chunks if any(p.grad is not None for _, p in c.params)]
-        reads: dict[int, concurrent.futures.Future[torch.Tensor]] = {}
-        writes: dict[int, concurrent.futures.Future[None]] = {}
+        pipe = self._pipe
+        jobs: dict[int, Job] = {}
+        for i, c in enumerate(todo):
+            if c.resident is None:
+                key = c.key if c.stored else None
+                jobs[i] = Job(i, key, c.nbytes, concurrent.futures.Future())
+        writes: list[concurrent.futures.Future[None]] = []
+        held: list[torch.Tensor] = []  # pipeline buffers this thread holds now
+        taken: set[int] = set()
         t_origin = time.perf_counter()
-
-        def start_read(i: int) -> None:
-            c = todo[i]
-            if c.stored and c.resident is None and i not in reads:
-                self.ledger.reserve(id(c) + 1, c.nbytes)
-                reads[i] = self._loop.submit(self._store.read(c.key, c.nbytes))
-
-        def finish_write(i: int) -> None:
-            fut = writes.pop(i, None)
-            if fut is not None:
-                t0 = time.perf_counter()
-                fut.result()
-                self.io_wait_s += time.perf_counter() - t0
-                self.ledger.release(id(todo[i]) + 2)
-
+        threads = torch.get_num_threads()
+        want = self.threads if self.threads is not None else max(1, threads - 1)
+        if jobs and want and want != threads:
+            torch.set_num_threads(want)  # the calling thread's setting, restored below
+        else:
+            threads = 0
         try:
-            if todo:
-                start_read(0)
+            self._loop.run(pipe.start(list(jobs.values())))
             for i, c in enumerate(todo):
-                finish_write(i - 2)  # at most: chunk i+1 read, i updated, i-1 written
-                if i + 1 < len(todo):
-                    start_read(i + 1)
+                job = jobs.get(i)
                 blob = c.resident
-                if i in reads:
+                if job is not None and job.key is not None:
                     t0 = time.perf_counter()
-                    blob = reads.pop(i).result()
+                    buf = job.done.result()
+                    taken.add(i)
+                    held.append(buf)
+                    blob = buf[: c.nbytes]
                     self.io_wait_s += time.perf_counter() - t0
                     self._mark(c.key, "read-wait", t0, t_origin)
                 t0 = time.perf_counter()
                 self._install(c, blob)
-                stepped = self._to_masters(c)
                 try:
-                    self._run_inner(c, stepped)
-                finally:
-                    self._from_masters(c, stepped)
-                blob = self._pack(c, blob)
-                if id(c) + 1 in self.ledger.held:
-                    self.ledger.release(id(c) + 1)
+                    stepped = self._to_masters(c)
+                    try:
+                        self._run_inner(c, stepped)
+                    finally:
+                        self._from_masters(c, stepped)
+                    blob = self._pack(c, blob, held)
+                except BaseException:
+                    for _, p in c.params:  # no views of a buffer the pipeline takes back
+                        self._inner.state.pop(p, None)
+                    raise
                 self.compute_s += time.perf_counter() - t0
                 self._mark(c.key, "update", t0, t_origin)
+                if job is not None and job.key is None:
+                    self._loop.loop.call_soon_threadsafe(pipe.advance, i)
                 if c.resident is not None:
-                    continue
+                    continue  # updated in place (a new layout gives up residency in _pack)
+                buf = held.pop()
                 if self._may_keep(c):
-                    c.resident = blob
-                    self.ledger.reserve(id(c), c.nbytes)
-                    c.stored = False
+                    self._loop.run(pipe.keep(buf, id(c)))
+                    self._kept(c, blob, buf.numel())
                     continue
-                self.ledger.reserve(id(c) + 2, c.nbytes)
-                writes[i] = self._loop.submit(self._store.write(c.key, blob))
+                writes.append(self._loop.submit(pipe.write(c.key, buf, c.nbytes)))
                 c.stored = True
-            for i in list(writes):
-                finish_write(i)
         finally:
-            # An error leaves nothing in flight: reads and writes are awaited.
-            pending: list[concurrent.futures.Future[Any]] = [*reads.values(), *writes.values()]
-            concurrent.futures.wait(pending)
+            # An error leaves nothing in flight: reads and writes are awaited,
+            # and the buffers go back to the pipeline.
+            try:
+                self._loop.run(pipe.finish(held, taken))
+            finally:
+                if threads:
+                    torch.set_num_threads(threads)
+        for w in writes:
+            w.result()
         self.steps += 1
         return loss
 
     def _may_keep(self, c: _Chunk) -> bool:
-        """Keep a chunk's state in memory when the budget still leaves room for
-        the three-chunk pipeline of the largest chunk (chunks not yet stepped
-        are estimated from the state/parameter ratio seen so far). A store
-        that caches does this itself."""
-        if self._store.caches:
-            return False
-        known = [x for x in self._chunks if x.spec]
-        ratio = max((x.nbytes / max(1, _param_bytes(x)) for x in known), default=2.0)
-        sizes = [x.nbytes if x.spec else int(ratio * _param_bytes(x)) + 1 for x in self._chunks]
-        room = 3 * max(sizes, default=0)
-        kept = sum(x.nbytes for x in self._chunks if x.resident is not None and x is not c)
-        return kept + c.nbytes + room <= self.budget
+        """Keep a chunk's state in memory (pinned) when all the state fits the
+        budget, or when what stays leaves the streaming room (chunks not yet
+        stepped are estimated from the state/parameter ratio seen so far).
+        The sums are made once and kept until a chunk's size changes: this
+        runs for every streamed chunk at every step."""
+        if self._plan is None:
+            known = [x for x in self._chunks if x.spec]
+            ratio = max((x.nbytes / max(1, _param_bytes(x)) for x in known), default=2.0)
+            sizes = [x.nbytes if x.spec else _pages(int(ratio * _param_bytes(x))) for x in self._chunks]
+            with self._lock:
+                kept = sum(self.ledger.held.get(id(x), 0) for x in self._chunks)
+            self._plan = [sum(sizes), max(sizes, default=0), kept]
+        total, largest, kept = self._plan
+        if total <= self.budget:
+            return True
+        return kept + c.nbytes + max(3 * largest, self.stream_room) <= self.budget
+
+    def _kept(self, c: _Chunk, blob: torch.Tensor, nbytes: int) -> None:
+        """``blob`` (``nbytes`` in the ledger) is the chunk's resident state from now on."""
+        c.resident = blob
+        c.stored = False
+        if self._plan is not None:
+            self._plan[2] += nbytes
 
     def _install(self, c: _Chunk, blob: torch.Tensor | None) -> None:
         """Put the chunk's state into the wrapped optimizer as views of ``blob``."""
@@ -350,30 +434,48 @@ class Optimizer(torch.optim.Optimizer):
             for g, ps in zip(groups, saved, strict=True):
                 g["params"] = ps
 
-    def _pack(self, c: _Chunk, blob: torch.Tensor | None) -> torch.Tensor:
-        """Take the chunk's state out of the wrapped optimizer into one blob
-        (the same blob, untouched, when the state was updated in place)."""
+    def _pack(self, c: _Chunk, blob: torch.Tensor | None, held: list[torch.Tensor] | None) -> torch.Tensor:
+        """Take the chunk's state out of the wrapped optimizer into its blob:
+        ``blob`` untouched when the state was updated in place (the usual
+        case), else a new blob (the chunk's first step, or a layout that
+        changed) from the pipeline's buffers (``held``: the buffers this
+        thread holds, ``blob``'s last, exchanged for the new one) or, with
+        ``held`` None, fresh memory."""
         state = self._inner.state
         states = [state.pop(p, {}) for _, p in c.params]
-        spec, nbytes = _spec_of(states)
+        spec, pos = _spec_of(states)
         c.extra = {
             i: {k: v for k, v in st.items() if not isinstance(v, torch.Tensor)}
             for i, st in enumerate(states)
             if any(not isinstance(v, torch.Tensor) for v in st.values())
         }
-        if blob is None or spec != c.spec:
-            if c.resident is not None:
+        if blob is not None and spec == c.spec:
+            for i, k, dtype, shape, at in spec:
+                v = states[i][k]
+                dst = _view(blob, dtype, shape, at)
+                if v.data_ptr() != dst.data_ptr() or v.stride() != dst.stride():
+                    dst.copy_(v)  # replaced (not updated in place) by the optimizer
+            return blob
+        nbytes = _pages(pos)
+        old = None
+        if held is None:
+            new: torch.Tensor = empty(nbytes, "uint8", like="torch")
+        else:
+            if blob is not None and c.resident is None:
+                old = held.pop()  # the buffer ``blob`` views
+            new = self._loop.run(self._pipe.acquire(nbytes, step=True))
+            held.append(new)
+        for i, k, dtype, shape, at in spec:
+            _view(new, dtype, shape, at).copy_(states[i][k])
+        if old is not None:
+            self._loop.loop.call_soon_threadsafe(self._pipe.release, old)
+        if c.resident is not None:
+            with self._lock:
                 self.ledger.release(id(c))
-                c.resident = None
-            blob = empty(max(nbytes, 1), "uint8", like="torch")
-            c.spec, c.nbytes = spec, max(nbytes, 1)
-            c.stored = False
-        for i, k, dtype, shape, pos in spec:
-            v = states[i][k]
-            dst = _view(blob, dtype, shape, pos)
-            if v.data_ptr() != dst.data_ptr() or v.stride() != dst.stride():
-                dst.copy_(v)  # replaced (not updated in place) by the optimizer, or first step
-        return blob
+            c.resident = None
+        c.spec, c.nbytes, c.stored = spec, nbytes, False
+        self._plan = None  # sizes changed: the residency sums are made again
+        return new[:nbytes]
 
     # -- reading it all ------------------------------------------------------------
 
@@ -398,13 +500,11 @@ class Optimizer(torch.optim.Optimizer):
             if not any(p in self._inner.state for _, p in c.params):
                 continue
             c.spec = ()
-            blob = self._pack(c, None)
-            if c.resident is not None:
-                self.ledger.release(id(c))
-                c.resident = None
+            blob = self._pack(c, None, None)  # gives back the chunk's resident blob, if any
             if self._may_keep(c):
-                c.resident = blob
-                self.ledger.reserve(id(c), c.nbytes)
+                with self._lock:
+                    self.ledger.reserve(id(c), blob.numel())
+                self._kept(c, blob, blob.numel())
             else:
                 futs.append(self._loop.submit(self._store.write(c.key, blob)))
                 c.stored = True
@@ -426,9 +526,11 @@ class Optimizer(torch.optim.Optimizer):
         """Load a ``state_dict()`` (ours or the in-memory optimizer's) and
         write its state out to the chunks."""
         self._rechunk()
+        self._plan = None
         for c in self._chunks:
             if c.resident is not None:
-                self.ledger.release(id(c))
+                with self._lock:
+                    self.ledger.release(id(c))
             c.resident, c.stored, c.spec, c.nbytes, c.extra = None, False, (), 0, {}
         self._inner.load_state_dict(state_dict)
         self.param_groups = self._inner.param_groups
@@ -460,8 +562,8 @@ class Optimizer(torch.optim.Optimizer):
 
     def stats(self) -> dict[str, Any]:
         """Bytes read from and written to NVMe, seconds waiting for I/O and
-        computing, state bytes held in memory now and at peak (the pipeline
-        and resident chunks; the store's host tier separately), chunks resident."""
+        computing, state bytes held in memory now and at peak (resident chunks
+        and the pipeline's buffers), chunks resident."""
         return {
             "steps": self.steps,
             "chunks": len(self._chunks),
@@ -471,10 +573,13 @@ class Optimizer(torch.optim.Optimizer):
             "bytes_written": self._store.bytes_written,
             "io_wait_s": self.io_wait_s,
             "compute_s": self.compute_s,
-            "memory_bytes": self.ledger.used,  # chunks resident or in the pipeline
+            "memory_bytes": self.ledger.used,  # chunks resident, and the pipeline's buffers
             "peak_memory_bytes": self.ledger.peak,
-            "store_host_bytes": self._store.host_bytes,  # in the TieredStore's host tier (budget / 2 at most)
             "budget": self.budget,
+            "overdrafts": self._pipe.overdrafts,  # buffers allocated past the budget (see the Notes)
+            "buffer_allocations": self._pipe.allocations,  # pipeline buffers allocated (kept for reuse)
+            "buffers_in_use": self._pipe.busy,  # being read, updated or written: 0 between steps
+            "max_reads_in_flight": self._pipe.max_reads,  # chunks read ahead at once, at most
         }
 
     def close(self) -> None:
@@ -483,6 +588,7 @@ class Optimizer(torch.optim.Optimizer):
             return
         self._closed = True
         try:
+            self._loop.run(self._pipe.close())
             self._loop.run(self._store.close())
         finally:
             self._loop.close()

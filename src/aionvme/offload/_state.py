@@ -33,12 +33,9 @@ class BlobStore(Protocol):
     @property
     def bytes_written(self) -> int: ...  # to the device
 
-    caches: bool  # True: it keeps hot blobs in memory itself (the optimizer then keeps none)
-
-    @property
-    def host_bytes(self) -> int: ...  # state it holds in memory itself
-
     async def read(self, key: str, nbytes: int) -> torch.Tensor: ...
+
+    async def read_into(self, key: str, out: torch.Tensor) -> None: ...  # fill out (len(out) bytes)
 
     async def write(self, key: str, blob: torch.Tensor) -> None: ...
 
@@ -50,9 +47,6 @@ class FileBlobStore:
     extent (fixed once written: a chunk's state keeps its size from step to
     step; a blob that grows gets a new extent at the end). The file is
     removed on close."""
-
-    caches = False  # the optimizer keeps chunks resident itself, under its budget
-    host_bytes = 0
 
     def __init__(self, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
@@ -84,13 +78,17 @@ class FileBlobStore:
         self.bytes_written += n
 
     async def read(self, key: str, nbytes: int) -> torch.Tensor:
+        blob: torch.Tensor = empty(nbytes, "uint8", like="torch")
+        await self.read_into(key, blob)
+        return blob
+
+    async def read_into(self, key: str, out: torch.Tensor) -> None:
         off, size = self._extents[key]
+        nbytes = out.numel()
         if nbytes > size:
             raise ValueError(f"blob {key!r} holds {size} bytes, {nbytes} asked")
-        blob: torch.Tensor = empty(nbytes, "uint8", like="torch")
-        await self._open().pread(blob, off)
+        await self._open().pread(out, off)
         self.bytes_read += nbytes
-        return blob
 
     async def close(self) -> None:
         if self._file is not None:
@@ -101,29 +99,25 @@ class FileBlobStore:
 
 
 class StoreBlobStore:
-    """Blobs in an :class:`aionvme.TieredStore`: its host tier is the cache of
-    chunks kept in memory, its NVMe tier the rest. ``persist=False``: the
-    store's files go when it is closed."""
+    """Blobs in the NVMe tier of an :class:`aionvme.TieredStore` with no host
+    tier: a put writes straight from the optimizer's buffer, a get reads
+    straight into it (O_DIRECT, no copy). The optimizer keeps chunks in memory
+    itself: it knows the order of the next step, where an LRU host tier
+    smaller than the state would miss on every chunk (and copy each one in
+    and out). ``persist=False``: the store's files go when it is closed."""
 
-    caches = True  # the optimizer keeps no resident chunks of its own
-
-    def __init__(self, directory: str, host_bytes: int) -> None:
+    def __init__(self, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
-        self._store = TieredStore(directory, host=max(host_bytes, 0), gpu=None, persist=False)
-
-    @property
-    def host_bytes(self) -> int:
-        """Bytes of state the store holds in its host tier now."""
-        return int(self._store.stats()["host"]["used"])
+        self._store = TieredStore(directory, host=0, gpu=None, persist=False)
 
     @property
     def bytes_read(self) -> int:
-        """Bytes the store read from NVMe (host-tier hits read nothing)."""
+        """Bytes the store read from NVMe."""
         return int(self._store.stats()["nvme"]["bytes_out"])
 
     @property
     def bytes_written(self) -> int:
-        """Bytes the store wrote to NVMe (evictions of the host tier)."""
+        """Bytes the store wrote to NVMe."""
         return int(self._store.stats()["nvme"]["bytes_in"])
 
     async def write(self, key: str, blob: torch.Tensor) -> None:
@@ -131,19 +125,21 @@ class StoreBlobStore:
 
     async def read(self, key: str, nbytes: int) -> torch.Tensor:
         blob: torch.Tensor = empty(nbytes, "uint8", like="torch")
-        await self._store.get(key, device="cpu", out=blob)  # NVMe -> blob directly on a miss
+        await self.read_into(key, blob)
         return blob
+
+    async def read_into(self, key: str, out: torch.Tensor) -> None:
+        await self._store.get(key, device="cpu", out=out)  # NVMe -> out, no host tier
 
     async def close(self) -> None:
         await self._store.close()
 
 
-def open_blob_store(directory: str, backend: str, host_bytes: int) -> Any:
+def open_blob_store(directory: str, backend: str) -> Any:
     """The blob store for ``backend``: ``"file"`` (one O_DIRECT file), or
-    ``"store"``/``"auto"`` (an :class:`aionvme.TieredStore` with ``host_bytes``
-    of host tier)."""
+    ``"store"``/``"auto"`` (the NVMe tier of an :class:`aionvme.TieredStore`)."""
     if backend == "file":
         return FileBlobStore(directory)
     if backend in ("auto", "store"):
-        return StoreBlobStore(directory, host_bytes)
+        return StoreBlobStore(directory)
     raise ValueError(f"backend must be 'auto', 'store' or 'file', got {backend!r}")

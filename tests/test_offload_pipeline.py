@@ -1,0 +1,160 @@
+"""aionvme.offload.Optimizer's streaming pipeline: reads ahead and writes
+behind under the budget (measured), buffers reused from step to step, an
+error in the middle of a step leaving nothing in flight, and a parameter
+whose state alone exceeds the budget counted as an overdraft."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from aionvme.offload import Optimizer  # noqa: E402
+
+
+def _params(n: int, numel: int, seed: int = 0) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(numel, generator=g)) for _ in range(n)]
+
+
+def _grads(params, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+
+
+@pytest.mark.parametrize(("backend", "fused"), [("store", False), ("file", False), ("store", True)])
+def test_reads_run_ahead_within_the_budget_and_buffers_are_reused(tmp_path, backend, fused):
+    ours = _params(16, 64 << 10)  # 256 KiB each: state 512 KiB (+ a page for the step counters)
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    budget = 3 << 20  # ~5 chunks' state of 512 KiB: everything streams
+    kw = {"lr": 1e-3, "weight_decay": 0.1, "fused": fused}
+    opt = Optimizer(torch.optim.AdamW, ours, tmp_path, budget=budget, backend=backend, **kw)
+    mem = torch.optim.AdamW(ref, **kw)
+    threads = torch.get_num_threads()
+    try:
+        allocs = []
+        for s in range(4):
+            _grads(ours, s)
+            _grads(ref, s)
+            opt.step()
+            mem.step()
+            allocs.append(opt.stats()["buffer_allocations"])
+        for p, q in zip(ref, ours, strict=True):
+            assert torch.equal(p, q)
+        st = opt.stats()
+        assert st["state_bytes"] > 2 * budget and st["resident_chunks"] == 0
+        assert 0 < st["peak_memory_bytes"] <= budget and st["overdrafts"] == 0
+        # more than one chunk was read ahead at once, while the step computed
+        assert st["max_reads_in_flight"] >= 2
+        # torch's thread setting is the caller's again after each step
+        assert torch.get_num_threads() == threads
+        # the buffers of the second step served the later ones: no allocation per step
+        assert allocs[1] == allocs[2] == allocs[3]
+        assert allocs[1] * (512 << 10) <= budget
+        assert st["bytes_read"] == 3 * st["state_bytes"]  # every chunk, every step after the first
+        sd = opt.state_dict()
+        for i, p in enumerate(ref):
+            for k, v in mem.state[p].items():
+                assert torch.equal(sd["state"][i][k], v), (i, k)
+    finally:
+        opt.close()
+
+
+def test_part_of_the_state_stays_resident_the_rest_streams(tmp_path):
+    ours = _params(24, 16 << 10)  # 64 KiB each: state 128 KiB + a page
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    budget = 2 << 20  # less than the state (~3.1 MiB): half stays resident, half streams
+    with Optimizer(torch.optim.Adam, ours, tmp_path, lr=1e-3, budget=budget, stream_room="1M") as opt:
+        mem = torch.optim.Adam(ref, lr=1e-3)
+        for s in range(3):
+            _grads(ours, s)
+            _grads(ref, s)
+            opt.step()
+            mem.step()
+        st = opt.stats()
+        assert 0 < st["resident_chunks"] < st["chunks"]
+        assert st["peak_memory_bytes"] <= budget and st["overdrafts"] == 0
+        assert 0 < st["bytes_read"] < 2 * st["state_bytes"]
+        for p, q in zip(ref, ours, strict=True):
+            assert torch.equal(p, q)
+
+
+class _Flaky(torch.optim.AdamW):
+    """AdamW that fails on the chunk holding ``fail_on``."""
+
+    fail_on = None
+
+    def step(self, closure=None):
+        if any(p is self.fail_on for g in self.param_groups for p in g["params"]):
+            raise RuntimeError("boom")
+        return super().step(closure)
+
+
+def test_an_error_in_the_middle_of_a_step_leaves_nothing_in_flight(tmp_path):
+    ours = _params(12, 64 << 10, seed=1)
+    budget = 2 << 20
+    opt = Optimizer(_Flaky, ours, tmp_path, lr=1e-3, budget=budget)
+    try:
+        _grads(ours, 0)
+        opt.step()
+        held = opt.stats()["memory_bytes"]
+        _grads(ours, 1)
+        _Flaky.fail_on = ours[6]  # fails there, with reads ahead in flight
+        with pytest.raises(RuntimeError, match="boom"):
+            opt.step()
+        _Flaky.fail_on = None
+        st = opt.stats()
+        # every buffer came back (the conftest fixture checks that no request is in flight)
+        assert st["buffers_in_use"] == 0
+        assert held <= st["memory_bytes"] <= st["peak_memory_bytes"] <= budget
+        allocs = st["buffer_allocations"]
+        for s in (2, 3):
+            _grads(ours, s)
+            opt.step()  # and the next steps run, on the same buffers
+        st = opt.stats()
+        assert st["buffers_in_use"] == 0 and st["buffer_allocations"] == allocs
+        assert st["peak_memory_bytes"] <= budget and st["overdrafts"] == 0
+    finally:
+        opt.close()
+
+
+def test_a_parameter_whose_state_exceeds_the_budget_is_an_overdraft(tmp_path):
+    ours = [torch.nn.Parameter(torch.randn(256, 256)), *_params(4, 1024, seed=3)]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    budget = 128 << 10  # the matrix's state is 512 KiB
+    with Optimizer(torch.optim.AdamW, ours, tmp_path, lr=1e-3, budget=budget) as opt:
+        mem = torch.optim.AdamW(ref, lr=1e-3)
+        for s in range(3):
+            _grads(ours, s)
+            _grads(ref, s)
+            opt.step()
+            mem.step()
+        st = opt.stats()
+        assert st["overdrafts"] > 0 and st["peak_memory_bytes"] > budget
+        for p, q in zip(ref, ours, strict=True):
+            assert torch.equal(p, q)
+
+
+def test_steps_after_an_error_at_the_first_chunk_of_the_first_step(tmp_path):
+    ours = _params(12, 64 << 10, seed=4)
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = Optimizer(_Flaky, ours, tmp_path, lr=1e-3, budget=2 << 20)
+    mem = torch.optim.AdamW(ref, lr=1e-3)
+    try:
+        _grads(ours, 0)
+        _Flaky.fail_on = ours[0]  # fails before any state exists: the next steps start it afresh
+        with pytest.raises(RuntimeError, match="boom"):
+            opt.step()
+        _Flaky.fail_on = None
+        for s in range(3):
+            _grads(ours, s)
+            _grads(ref, s)
+            opt.step()
+            mem.step()
+        for p, q in zip(ref, ours, strict=True):
+            assert torch.equal(p, q)
+        assert opt.stats()["buffers_in_use"] == 0
+    finally:
+        _Flaky.fail_on = None
+        opt.close()
