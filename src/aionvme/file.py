@@ -113,11 +113,11 @@ class File(FileBase):
         h.inode.reset_size(size)
 
     def _params(self) -> transfer.Params:
-        """(chunk size, chunks in flight per request, engine mode bits) for a call."""
-        if self.block_size is None and self.parallelism is None:
-            return transfer.params()  # follows defaults.set() made after the open
+        """(chunk size, chunks in flight per request, engine mode bits) for a
+        call: this File's knobs, the rest from the defaults (followed when
+        defaults.set() replaces them after the open)."""
         cached_for, p = self._p
-        if cached_for is not defaults.settings:  # the rest of the knobs follow the defaults
+        if cached_for is not defaults.settings:
             p = transfer.params(self.block_size, self.parallelism)
             self._p = (defaults.settings, p)
         return p
@@ -140,11 +140,17 @@ class File(FileBase):
         on a closed file. See :func:`aionvme.pread` for what the awaitable
         accepts and when errors arrive.
         """
-        return transfer.submit_file(READ, self, buf, offset, self._params())
+        cached_for, p = self._p  # self._params() inlined: the hot path of random reads
+        if cached_for is not defaults.settings:
+            p = self._params()
+        return transfer.submit_file(READ, self, buf, offset, p)
 
     def pwrite(self, buf: Any, offset: int = 0) -> Awaitable[int]:
         """Write all of buf at offset (the file grows as needed; never truncated)."""
-        return transfer.submit_file(WRITE, self, buf, offset, self._params())
+        cached_for, p = self._p
+        if cached_for is not defaults.settings:
+            p = self._params()
+        return transfer.submit_file(WRITE, self, buf, offset, p)
 
     def pread_many(self, items: Iterable[tuple[Any, int]]) -> Awaitable[int]:
         """Fill each (buffer, offset) pair; one future for the whole batch.

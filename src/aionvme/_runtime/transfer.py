@@ -19,13 +19,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from .. import _engine, defaults
-from .._engine import MODE_NO_OVERLAP, MODE_SINGLE_SUBMIT, Engine, FileHandle, Request
+from .._engine import MODE_NO_OVERLAP, MODE_SINGLE_SUBMIT, Engine, FileHandle, Request, loop_attr
 from ..exceptions import CuFileError, ShortReadError, UnsupportedOperation
 from . import bounce, cufile
 from .blocking import run as drive_request
 from .cuda import Params, any_cuda, helper, is_cuda, require_cuda
 from .opening import FileBase, handle_for
-from .reactor import AsCoroutine, Reactor, failed, get_reactor
+from .reactor import REACTOR_ATTR, AsCoroutine, Reactor, failed, get_reactor
 
 __all__ = [
     "FDATASYNC",
@@ -160,8 +160,26 @@ def submit_file(op: int, file: FileBase, data: Any, offset: int, p: Params) -> A
     """:func:`submit` of READ or WRITE on an open File, on the running loop's
     reactor: the same dispatch with the steps a File makes unnecessary left
     out (no path to open, no reactor callback). 4 KiB random reads by gather
-    are bound by this path's CPU: measured here (bench/gather_cpu.py, 3x3
-    alternated runs) the general :func:`submit` cost ~1 µs more per read."""
+    are bound by this path's CPU, so the common case (a host buffer, a live
+    reactor) takes no other Python call than the engine's and the reactor's:
+    anything else (no loop yet, a closed File, a CUDA tensor, a bad buffer)
+    fails the engine call before a request is queued, and goes the long way."""
+    r: Reactor | None = loop_attr(REACTOR_ATTR)
+    h = file._h
+    if r is not None and r.live and h is not None:
+        try:
+            if op == READ:
+                req = r.engine.read(h, data, offset, p[0], p[1], p[2])
+            else:
+                req = r.engine.write(h, data, offset, p[0], p[1], p[2])
+        except Exception:
+            pass  # nothing was queued: the long way reports it (or serves a CUDA tensor)
+        else:
+            return r.submit(req)
+    return _submit_file(op, file, data, offset, p)
+
+
+def _submit_file(op: int, file: FileBase, data: Any, offset: int, p: Params) -> Awaitable[int]:
     try:
         r = get_reactor()
     except RuntimeError:
