@@ -162,15 +162,77 @@ cdef PyObject *_transfer_next(object o) except NULL:
 aionvme_set_iternext(Transfer, <iternextfunc>_transfer_next)
 
 
-def transfer_of(Request req, dict kw):
-    """The Transfer awaiting req on the loop of kw ({"loop": loop}, kept by the
-    caller: Future(**kw) then allocates no dict); req.future is set to it."""
-    cdef Transfer t = Transfer.__new__(Transfer)
-    t.fut = PyObject_Call(_future_type, _no_args, kw)
-    t.kw = kw
-    t.req = req
-    req.future = t
-    return t
+@cython.auto_pickle(False)
+cdef class Hub:
+    """The submitting half of a reactor, in C: wraps each queued request in
+    its Transfer and schedules the flush that hands this loop iteration's
+    requests to the kernel together (``flush_cb``, the reactor's, through
+    ``loop.call_soon``). Every ``early`` requests queued while a flush is
+    scheduled are handed over at once (submit_batch): tasks woken by a burst
+    of completions queue their next reads one by one, and the device restarts
+    after a few task steps instead of after all of them (64 coroutines doing
+    4 KiB reads: 56k -> 70-77k IOPS here). Requests that finished during such
+    an early flush wait in ``held`` for the scheduled one to deliver them.
+
+    ``read``/``write`` are File.pread/pwrite's whole path below Python: a
+    request, its Transfer and the scheduling in one call.
+    """
+
+    cdef readonly Engine engine
+    cdef dict kw                  # {"loop": loop}: Future(**kw) allocates no dict
+    cdef object call_soon
+    cdef object flush_cb
+    cdef public list held         # finished during an early flush, not delivered yet
+    cdef public bint scheduled    # a flush is scheduled on the loop
+    cdef int64_t queued
+    cdef int64_t early
+
+    def __cinit__(self, Engine engine not None, object loop, object flush_cb, long long early):
+        self.engine = engine
+        self.kw = {"loop": loop}
+        self.call_soon = loop.call_soon
+        self.flush_cb = flush_cb
+        self.held = []
+        self.early = early if early > 0 else (<int64_t>1 << 62)
+
+    cdef Transfer _queued(self, Request req):
+        cdef Transfer t = Transfer.__new__(Transfer)
+        t.fut = PyObject_Call(_future_type, _no_args, self.kw)
+        t.kw = self.kw
+        t.req = req
+        req.future = t
+        if not self.scheduled:
+            self.scheduled = True
+            self.queued = 0
+            self.call_soon(self.flush_cb)
+        else:
+            self.queued += 1
+            if self.queued >= self.early:
+                self.queued = 0
+                fin = self.engine.flush()
+                if fin:
+                    self.held.extend(fin)
+        return t
+
+    def submit(self, Request req not None):
+        """The Transfer of req (queued on this hub's engine); its chunks go
+        out this loop iteration."""
+        return self._queued(req)
+
+    def read(self, FileHandle f not None, object buf, object offset, tuple p):
+        """Engine.read(f, buf, offset, *p), submitted: its Transfer. Raises
+        (before anything is queued) what Engine.read raises."""
+        cdef Request req = _new_request(f, OP_READ, 1, p[0], p[1], p[2])
+        req._add_segment(buf, offset, True)
+        self.engine._enqueue(req)
+        return self._queued(req)
+
+    def write(self, FileHandle f not None, object buf, object offset, tuple p):
+        """Engine.write(f, buf, offset, *p), submitted (see read)."""
+        cdef Request req = _new_request(f, OP_WRITE, 1, p[0], p[1], p[2])
+        req._add_segment(buf, offset, False)
+        self.engine._enqueue(req)
+        return self._queued(req)
 
 
 cdef inline int64_t _req_nbytes(Request req) noexcept:

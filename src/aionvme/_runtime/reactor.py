@@ -6,11 +6,17 @@ loop iteration are queued in the engine and go to the kernel together, in one
 ``io_submit``, from a single ``call_soon`` callback. Futures are created,
 resolved and cancelled on the loop's thread only.
 
+Every request is awaited through a ``Transfer`` (the engine's
+awaitable.pxi): a future-like coroutine over an exact ``asyncio.Future``,
+made and scheduled by the reactor's ``Hub`` and resolved by ``deliver``.
+
 Cancellation: kernel AIO cannot cancel file I/O (io_cancel answers EINVAL and
-the transfer still lands). So ``_IOFuture.cancel()`` does not complete the
+the transfer still lands). So ``Transfer.cancel()`` does not complete the
 future at once: it stops the request from issuing more chunks and the future
-is cancelled when the chunks in flight have been reaped. When an awaiting task
-sees CancelledError, the kernel no longer touches its buffer.
+is cancelled when the chunks in flight have been reaped; a Task cancelled
+while awaiting one cancels the inner Future, and the await then waits for
+those chunks before it raises. When an awaiting task sees CancelledError, the
+kernel no longer touches its buffer.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from .. import defaults
-from .._engine import Engine, Request, Transfer, deliver, loop_attr, set_future_type, transfer_of
+from .._engine import Engine, Hub, Request, Transfer, deliver, loop_attr, set_future_type
 from ..exceptions import EngineClosedError
 
 __all__ = [
@@ -178,7 +184,6 @@ class Reactor:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, settings: defaults.Settings | None = None) -> None:
         self.loop = loop
-        self._kw = {"loop": loop}  # Future(**_kw) of every Transfer, without a dict each
         self.pid = _pid
         self.engine = new_engine(settings)
         self.engine.owner = self
@@ -186,10 +191,8 @@ class Reactor:
         # False once closed or in a forked child: what the hot paths check on
         # the reactor loop_attr() finds (no pid comparison per call).
         self.live = True
-        self._scheduled = False
-        self._queued = 0
-        self._early = (settings or defaults.settings).submit_batch or (1 << 62)
-        self._held: list[Request] = []
+        # submitting and scheduling the flush, in C (see Hub)
+        self.hub = Hub(self.engine, loop, self._flush, (settings or defaults.settings).submit_batch)
         self._retry: asyncio.TimerHandle | None = None
         self._retry_delay = _RETRY_FIRST
         self._fd = self.engine.fileno()
@@ -199,35 +202,18 @@ class Reactor:
 
     def submit(self, req: Request) -> Transfer:
         """Wrap a queued request in its awaitable (a :class:`Transfer`); its
-        chunks go out this loop tick."""
-        fut = transfer_of(req, self._kw)
-        if not self._scheduled:
-            self._scheduled = True
-            self._queued = 0
-            self.loop.call_soon(self._flush)
-        else:
-            self._queued += 1
-            if self._queued >= self._early:
-                # Tasks woken by a burst of completions queue their next
-                # requests one by one: hand every submit_batch of them to the
-                # kernel at once instead of after the whole burst, so the
-                # device restarts after a few task steps, not after all of
-                # them (64 coroutines doing 4 KiB reads: 56k -> 70-77k IOPS
-                # here). submit_batch=0 keeps one io_submit per iteration.
-                self._queued = 0
-                fin = self.engine.flush()
-                if fin:
-                    self._held.extend(fin)  # delivered by the scheduled flush
-        return fut
+        chunks go out this loop iteration, or earlier (see Hub)."""
+        return self.hub.submit(req)
 
     def _flush(self) -> None:
         # Requests queued during this loop iteration go to the kernel together.
-        self._scheduled = False
+        hub = self.hub
+        hub.scheduled = False
         eng = self.engine
         finished = eng.flush()
-        if self._held:
-            finished = self._held + finished
-            self._held = []
+        if hub.held:
+            finished = hub.held + finished
+            hub.held = []
         if eng.more:
             self._schedule()
         if eng.backlog:
@@ -270,8 +256,8 @@ class Reactor:
             self._retry_delay = _RETRY_FIRST
 
     def _schedule(self) -> None:
-        if not self._scheduled:
-            self._scheduled = True
+        if not self.hub.scheduled:
+            self.hub.scheduled = True
             self.loop.call_soon(self._flush)
 
     def _cancel(self, req: Request) -> None:
@@ -298,8 +284,8 @@ class Reactor:
         if not self.loop.is_closed():
             with contextlib.suppress(RuntimeError, ValueError, OSError):
                 self.loop.remove_reader(self._fd)
-        finished = self._held + self.engine.close()  # held: finished before, not delivered yet
-        self._held = []
+        finished = self.hub.held + self.engine.close()  # held: finished before, not delivered yet
+        self.hub.held = []
         if self.loop.is_closed():
             for req in finished:  # no one can await these any more: just let go
                 req.future = None

@@ -3,8 +3,10 @@ formats and the DeepSpeed handle goes through :func:`submit` (async) or
 :func:`run` (blocking), host buffers to the engine, CUDA tensors to cuFile or
 the bounce pipeline.
 
-The asyncio contract lives here: :func:`submit` returns a future that is
-also a coroutine (see :class:`~aionvme._runtime.reactor.AsCoroutine`), and
+The asyncio contract lives here: :func:`submit` returns a future-like
+coroutine (a ``Transfer``, see cython_ext/aionvme/awaitable.pxi; errors found
+before anything was queued come as a failed future that is also a coroutine,
+see :class:`~aionvme._runtime.reactor.AsCoroutine`), and
 never raises for anything found while setting the transfer up (open
 failures, a closed File, a bad buffer or offset, a bad knob): the error is
 set on the future and arrives at the await. The only error of the call
@@ -168,14 +170,9 @@ def submit_file(op: int, file: FileBase, data: Any, offset: int, p: Params) -> A
     h = file._h
     if r is not None and r.live and h is not None:
         try:
-            if op == READ:
-                req = r.engine.read(h, data, offset, p[0], p[1], p[2])
-            else:
-                req = r.engine.write(h, data, offset, p[0], p[1], p[2])
+            return r.hub.read(h, data, offset, p) if op == READ else r.hub.write(h, data, offset, p)
         except Exception:
             pass  # nothing was queued: the long way reports it (or serves a CUDA tensor)
-        else:
-            return r.submit(req)
     return _submit_file(op, file, data, offset, p)
 
 
