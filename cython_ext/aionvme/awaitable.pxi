@@ -29,6 +29,19 @@ cdef extern from *:
     void aionvme_set_iternext(object t, iternextfunc f)
 
 
+cdef extern from *:
+    """
+    /* The owner of this thread's async-generator firstiter hook: asyncio's and
+       uvloop's loops install bound methods of themselves while they run. */
+    static PyObject *aionvme_hook_owner(void) {
+        PyObject *h = PyThreadState_Get()->async_gen_firstiter;
+        if (h != NULL && PyMethod_Check(h)) return PyMethod_GET_SELF(h);
+        return NULL;
+    }
+    """
+    PyObject *aionvme_hook_owner()
+
+
 cdef object _future_type = None
 cdef tuple _no_args = ()
 
@@ -222,17 +235,39 @@ cdef class Hub:
     def read(self, FileHandle f not None, object buf, object offset, tuple p):
         """Engine.read(f, buf, offset, *p), submitted: its Transfer. Raises
         (before anything is queued) what Engine.read raises."""
-        cdef Request req = _new_request(f, OP_READ, 1, p[0], p[1], p[2])
-        req._add_segment(buf, offset, True)
-        self.engine._enqueue(req)
-        return self._queued(req)
+        return self._transfer(f, buf, offset, p, False)
 
     def write(self, FileHandle f not None, object buf, object offset, tuple p):
         """Engine.write(f, buf, offset, *p), submitted (see read)."""
-        cdef Request req = _new_request(f, OP_WRITE, 1, p[0], p[1], p[2])
-        req._add_segment(buf, offset, False)
+        return self._transfer(f, buf, offset, p, True)
+
+    cdef Transfer _transfer(self, FileHandle f, object buf, object offset, tuple p, bint write):
+        cdef Request req = _new_request(f, OP_WRITE if write else OP_READ, 1, p[0], p[1], p[2])
+        req._add_segment(buf, offset, not write)
         self.engine._enqueue(req)
         return self._queued(req)
+
+
+def hub_transfer(str attr, object file, object buf, object offset, tuple p, bint write):
+    """File.pread/pwrite's common case in one call: the Transfer of a read
+    (or write) of buf at offset on ``file._h``, submitted through the Hub of
+    the reactor that the running loop holds as ``attr``, or None when the
+    long way must take it (no running loop or reactor yet, a reactor that is
+    not ``live``, a closed File, a CUDA tensor, a bad buffer or offset: then
+    nothing was queued, and the long way reports the error or serves it)."""
+    cdef PyObject *owner = aionvme_hook_owner()
+    if owner == NULL:
+        return None
+    r = getattr(<object>owner, attr, None)
+    if r is None or not r.live:
+        return None
+    h = file._h
+    if type(h) is not FileHandle:
+        return None
+    try:
+        return (<Hub?>r.hub)._transfer(<FileHandle>h, buf, offset, p, write)
+    except Exception:
+        return None
 
 
 cdef inline int64_t _req_nbytes(Request req) noexcept:
@@ -287,19 +322,6 @@ def deliver(list finished, object closed_error=None):
         if cb is not None:
             req.callback = None
             cb(req)
-
-
-cdef extern from *:
-    """
-    /* The owner of this thread's async-generator firstiter hook: asyncio's and
-       uvloop's loops install bound methods of themselves while they run. */
-    static PyObject *aionvme_hook_owner(void) {
-        PyObject *h = PyThreadState_Get()->async_gen_firstiter;
-        if (h != NULL && PyMethod_Check(h)) return PyMethod_GET_SELF(h);
-        return NULL;
-    }
-    """
-    PyObject *aionvme_hook_owner()
 
 
 def loop_attr(str name):

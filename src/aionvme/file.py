@@ -15,10 +15,11 @@ from collections.abc import Awaitable, Iterable
 from typing import Any
 
 from . import defaults
+from ._engine import hub_transfer
 from ._runtime import transfer
 from ._runtime.blocking import thread_engine
 from ._runtime.opening import FS_NAMES, FileBase, OpenInfo, PathLike, open_handle, parse_mode
-from ._runtime.reactor import failed, get_reactor
+from ._runtime.reactor import REACTOR_ATTR, failed, get_reactor
 from ._runtime.transfer import FDATASYNC, FSYNC, READ, READV, WRITE, WRITEV
 from .exceptions import os_error
 
@@ -140,15 +141,24 @@ class File(FileBase):
         on a closed file. See :func:`aionvme.pread` for what the awaitable
         accepts and when errors arrive.
         """
-        cached_for, p = self._p  # self._params() inlined: the hot path of random reads
-        if cached_for is not defaults.settings:
+        cached_for, p = self._p
+        if cached_for is defaults.settings:
+            # the hot path of random reads, in C; None: the long way takes it
+            t = hub_transfer(REACTOR_ATTR, self, buf, offset, p, False)
+            if t is not None:
+                return t
+        else:
             p = self._params()
         return transfer.submit_file(READ, self, buf, offset, p)
 
     def pwrite(self, buf: Any, offset: int = 0) -> Awaitable[int]:
         """Write all of buf at offset (the file grows as needed; never truncated)."""
         cached_for, p = self._p
-        if cached_for is not defaults.settings:
+        if cached_for is defaults.settings:
+            t = hub_transfer(REACTOR_ATTR, self, buf, offset, p, True)
+            if t is not None:
+                return t
+        else:
             p = self._params()
         return transfer.submit_file(WRITE, self, buf, offset, p)
 
