@@ -120,3 +120,18 @@ async def test_a_closed_coroutine_stops_its_transfer(make_file):
         with pytest.raises(asyncio.CancelledError):
             await t  # finished as cancelled once the chunks in flight are reaped
         assert await _landed_nothing_after(buf)
+
+
+async def test_tasks_of_transfers_have_a_repr_in_debug_mode(make_file):
+    path, _ = make_file(4096)
+    loop = asyncio.get_running_loop()
+    debug = loop.get_debug()
+    loop.set_debug(True)
+    try:
+        with nvme.open(path) as f:
+            task = asyncio.create_task(f.pread(np.zeros(4096, np.uint8)))
+            assert "Transfer" in repr(task)
+            assert await task == 4096
+            assert "Transfer" in repr(task)
+    finally:
+        loop.set_debug(debug)
