@@ -7,10 +7,11 @@ batches, reaps completions and reports one finished Request per call; it never
 imports asyncio. Policy (when to pump, which engine serves a loop, how errors
 reach the caller) lives in the Python package.
 """
+cimport cython
 from cpython.buffer cimport (PyBUF_ANY_CONTIGUOUS, PyBUF_FORMAT, PyBUF_FULL_RO, PyBUF_WRITABLE,
                              PyBuffer_Release, PyObject_CheckBuffer, PyObject_GetBuffer)
-from cpython.exc cimport PyErr_CheckSignals
-from cpython.object cimport PyObject
+from cpython.exc cimport PyErr_CheckSignals, PyErr_SetObject
+from cpython.object cimport PyObject, PyObject_Call
 from cpython.ref cimport Py_DECREF, Py_INCREF
 from libc.errno cimport EAGAIN, EBADF, EBUSY, EINTR, EINVAL, EIO, ENOMEM, EOPNOTSUPP, ESPIPE, errno
 from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
@@ -35,7 +36,8 @@ from aionvme import exceptions as _exc
 # kernel_aio (io_submit, inline or on the submitter thread), uring (io_uring
 # submission through the same chunks), planning (cutting
 # a segment into aligned transfers), requests (Inode, FileHandle, Request),
-# engine (Engine: chunk slots, generate/submit/reap), gds (cuFile by dlopen),
+# engine (Engine: chunk slots, generate/submit/reap), awaitable (Transfer: what
+# an async call returns; the Future type comes from the reactor), gds (cuFile by dlopen),
 # probes (statx/statfs/io_setup for the Python layer), fork (locks a forked
 # child re-initialises).
 include "counters.pxi"
@@ -47,6 +49,7 @@ include "uring.pxi"
 include "planning.pxi"
 include "requests.pxi"
 include "engine.pxi"
+include "awaitable.pxi"
 include "gds.pxi"
 include "probes.pxi"
 include "fork.pxi"

@@ -15,10 +15,11 @@ from collections.abc import Awaitable, Iterable
 from typing import Any
 
 from . import defaults
+from ._engine import hub_transfer
 from ._runtime import transfer
 from ._runtime.blocking import thread_engine
 from ._runtime.opening import FS_NAMES, FileBase, OpenInfo, PathLike, open_handle, parse_mode
-from ._runtime.reactor import failed, get_reactor
+from ._runtime.reactor import REACTOR_ATTR, failed, get_reactor
 from ._runtime.transfer import FDATASYNC, FSYNC, READ, READV, WRITE, WRITEV
 from .exceptions import os_error
 
@@ -113,11 +114,11 @@ class File(FileBase):
         h.inode.reset_size(size)
 
     def _params(self) -> transfer.Params:
-        """(chunk size, chunks in flight per request, engine mode bits) for a call."""
-        if self.block_size is None and self.parallelism is None:
-            return transfer.params()  # follows defaults.set() made after the open
+        """(chunk size, chunks in flight per request, engine mode bits) for a
+        call: this File's knobs, the rest from the defaults (followed when
+        defaults.set() replaces them after the open)."""
         cached_for, p = self._p
-        if cached_for is not defaults.settings:  # the rest of the knobs follow the defaults
+        if cached_for is not defaults.settings:
             p = transfer.params(self.block_size, self.parallelism)
             self._p = (defaults.settings, p)
         return p
@@ -140,11 +141,26 @@ class File(FileBase):
         on a closed file. See :func:`aionvme.pread` for what the awaitable
         accepts and when errors arrive.
         """
-        return transfer.submit_file(READ, self, buf, offset, self._params())
+        cached_for, p = self._p
+        if cached_for is defaults.settings:
+            # the hot path of random reads, in C; None: the long way takes it
+            t = hub_transfer(REACTOR_ATTR, self, buf, offset, p, False)
+            if t is not None:
+                return t
+        else:
+            p = self._params()
+        return transfer.submit_file(READ, self, buf, offset, p)
 
     def pwrite(self, buf: Any, offset: int = 0) -> Awaitable[int]:
         """Write all of buf at offset (the file grows as needed; never truncated)."""
-        return transfer.submit_file(WRITE, self, buf, offset, self._params())
+        cached_for, p = self._p
+        if cached_for is defaults.settings:
+            t = hub_transfer(REACTOR_ATTR, self, buf, offset, p, True)
+            if t is not None:
+                return t
+        else:
+            p = self._params()
+        return transfer.submit_file(WRITE, self, buf, offset, p)
 
     def pread_many(self, items: Iterable[tuple[Any, int]]) -> Awaitable[int]:
         """Fill each (buffer, offset) pair; one future for the whole batch.
@@ -274,10 +290,13 @@ def pread(
     Notes
     -----
     The call returns at once and the transfer starts now, awaited or not. The
-    awaitable is an asyncio future that is also a coroutine: ``await`` it or
-    pass it to ``asyncio.create_task``, ``TaskGroup.create_task``,
-    ``ensure_future``, ``gather`` (no Task is made there), ``wait_for``,
-    ``asyncio.timeout``, ``shield`` or anyio's task groups.
+    awaitable is a future-like object (``asyncio.isfuture`` is true; it wraps
+    an exact ``asyncio.Future``, whose methods it offers) that is also a
+    coroutine: ``await`` it or pass it to ``asyncio.create_task``,
+    ``TaskGroup.create_task``, ``ensure_future``, ``gather`` (no Task is made
+    there), ``wait_for``, ``asyncio.timeout``, ``shield`` or anyio's task
+    groups. It is not an instance of ``asyncio.Future``: test with
+    ``asyncio.isfuture``. Done-callbacks receive the wrapped Future.
 
     Every error arrives at the await, never from the call: file-system and
     data errors (open failures, EISDIR, EACCES, ENOSPC, EIO, short reads, a

@@ -6,11 +6,17 @@ loop iteration are queued in the engine and go to the kernel together, in one
 ``io_submit``, from a single ``call_soon`` callback. Futures are created,
 resolved and cancelled on the loop's thread only.
 
+Every request is awaited through a ``Transfer`` (the engine's
+awaitable.pxi): a future-like coroutine over an exact ``asyncio.Future``,
+made and scheduled by the reactor's ``Hub`` and resolved by ``deliver``.
+
 Cancellation: kernel AIO cannot cancel file I/O (io_cancel answers EINVAL and
-the transfer still lands). So ``_IOFuture.cancel()`` does not complete the
+the transfer still lands). So ``Transfer.cancel()`` does not complete the
 future at once: it stops the request from issuing more chunks and the future
-is cancelled when the chunks in flight have been reaped. When an awaiting task
-sees CancelledError, the kernel no longer touches its buffer.
+is cancelled when the chunks in flight have been reaped; a Task cancelled
+while awaiting one cancels the inner Future, and the await then waits for
+those chunks before it raises. When an awaiting task sees CancelledError, the
+kernel no longer touches its buffer.
 """
 
 from __future__ import annotations
@@ -27,10 +33,11 @@ from collections.abc import Awaitable
 from typing import Any
 
 from .. import defaults
-from .._engine import Engine, Request
+from .._engine import Engine, Hub, Request, Transfer, deliver, loop_attr, set_future_type
 from ..exceptions import EngineClosedError
 
 __all__ = [
+    "REACTOR_ATTR",
     "AsCoroutine",
     "Reactor",
     "adopt",
@@ -42,6 +49,7 @@ __all__ = [
 ]
 
 _ATTR = "_aionvme_reactor"
+REACTOR_ATTR = _ATTR  # the loop attribute holding its Reactor (hot paths read it with loop_attr)
 # os.getpid() is a real syscall (glibc stopped caching it): one per request
 # showed as 19% of CPU in 4 KiB random reads. The fork hook keeps this current.
 _pid = os.getpid()
@@ -143,6 +151,11 @@ class _IOFuture(AsCoroutine, asyncio.Future):  # type: ignore[type-arg]
 
 collections.abc.Coroutine.register(_IOFuture)
 
+# What Reactor.submit returns: a future-like coroutine over an exact
+# asyncio.Future (see cython_ext/aionvme/awaitable.pxi for why not a subclass).
+set_future_type(asyncio.Future)
+collections.abc.Coroutine.register(Transfer)
+
 
 async def _raise(exc: BaseException) -> Any:
     raise exc
@@ -175,10 +188,11 @@ class Reactor:
         self.engine = new_engine(settings)
         self.engine.owner = self
         self.closed = False
-        self._scheduled = False
-        self._queued = 0
-        self._early = (settings or defaults.settings).submit_batch or (1 << 62)
-        self._held: list[Request] = []
+        # False once closed or in a forked child: what the hot paths check on
+        # the reactor loop_attr() finds (no pid comparison per call).
+        self.live = True
+        # submitting and scheduling the flush, in C (see Hub)
+        self.hub = Hub(self.engine, loop, self._flush, (settings or defaults.settings).submit_batch)
         self._retry: asyncio.TimerHandle | None = None
         self._retry_delay = _RETRY_FIRST
         self._fd = self.engine.fileno()
@@ -186,38 +200,20 @@ class Reactor:
 
     # -- submitting ------------------------------------------------------------
 
-    def submit(self, req: Request) -> _IOFuture:
-        """Wrap a queued request in a future; its chunks go out this loop tick."""
-        fut = _IOFuture(loop=self.loop)
-        fut._aio_req = req
-        req.future = fut
-        if not self._scheduled:
-            self._scheduled = True
-            self._queued = 0
-            self.loop.call_soon(self._flush)
-        else:
-            self._queued += 1
-            if self._queued >= self._early:
-                # Tasks woken by a burst of completions queue their next
-                # requests one by one: hand every submit_batch of them to the
-                # kernel at once instead of after the whole burst, so the
-                # device restarts after a few task steps, not after all of
-                # them (64 coroutines doing 4 KiB reads: 56k -> 70-77k IOPS
-                # here). submit_batch=0 keeps one io_submit per iteration.
-                self._queued = 0
-                fin = self.engine.flush()
-                if fin:
-                    self._held.extend(fin)  # delivered by the scheduled flush
-        return fut
+    def submit(self, req: Request) -> Transfer:
+        """Wrap a queued request in its awaitable (a :class:`Transfer`); its
+        chunks go out this loop iteration, or earlier (see Hub)."""
+        return self.hub.submit(req)
 
     def _flush(self) -> None:
         # Requests queued during this loop iteration go to the kernel together.
-        self._scheduled = False
+        hub = self.hub
+        hub.scheduled = False
         eng = self.engine
         finished = eng.flush()
-        if self._held:
-            finished = self._held + finished
-            self._held = []
+        if hub.held:
+            finished = hub.held + finished
+            hub.held = []
         if eng.more:
             self._schedule()
         if eng.backlog:
@@ -260,8 +256,8 @@ class Reactor:
             self._retry_delay = _RETRY_FIRST
 
     def _schedule(self) -> None:
-        if not self._scheduled:
-            self._scheduled = True
+        if not self.hub.scheduled:
+            self.hub.scheduled = True
             self.loop.call_soon(self._flush)
 
     def _cancel(self, req: Request) -> None:
@@ -269,35 +265,9 @@ class Reactor:
         self._schedule()
 
     def _deliver(self, finished: list[Request]) -> None:
-        # Resolve the futures of finished requests (policy, so Python; on the
-        # loop's thread). Measured against the same loop in Cython (4 KiB
-        # random reads, QD 64, gather and batches of 64, alternated, 4 runs of
-        # 20k ops each): 14.1 vs 14.8 µs CPU/op gather, 13.0 vs 13.1 batch,
-        # within the noise of this machine. Counted with callgrind too
-        # (bench/gather_cpu.py, 12k minus 2k reads): 23.1k instructions per
-        # read with this loop, 23.2k with its common branch in Cython.
-        for req in finished:
-            fut = req.future
-            if fut is None:
-                continue
-            req.future = None
-            fut._aio_req = None
-            if req.ok and not req.cancel_requested:  # the common case first
-                if not fut.done():
-                    fut.set_result(req.nbytes)
-            elif not fut.done():
-                if req.cancel_requested:
-                    # the request stopped early and its chunks have landed:
-                    # now the future may be cancelled (see _IOFuture.cancel)
-                    _future_cancel(fut, req.cancel_msg)
-                elif req.ok:
-                    fut.set_result(req.nbytes)
-                else:
-                    fut.set_exception(req.exception())
-            cb = req.callback
-            if cb is not None:
-                req.callback = None
-                cb(req)
+        # Resolve the Transfers of finished requests (on the loop's thread),
+        # in Cython: one call per burst of completions.
+        deliver(finished)
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -307,28 +277,27 @@ class Reactor:
         if self.closed:
             return
         self.closed = True
+        self.live = False
         if self._retry is not None:
             self._retry.cancel()
             self._retry = None
         if not self.loop.is_closed():
             with contextlib.suppress(RuntimeError, ValueError, OSError):
                 self.loop.remove_reader(self._fd)
-        finished = self._held + self.engine.close()  # held: finished before, not delivered yet
-        self._held = []
+        finished = self.hub.held + self.engine.close()  # held: finished before, not delivered yet
+        self.hub.held = []
         if self.loop.is_closed():
             for req in finished:  # no one can await these any more: just let go
                 req.future = None
             return
-        for req in finished:
-            fut = req.future
-            if fut is not None and not fut.done() and req.cancelled and not req.cancel_requested:
-                req.future = None
-                fut._aio_req = None
-                fut.set_exception(EngineClosedError("the aionvme runtime of this loop was closed"))
-        self._deliver(finished)
+        deliver(finished, _engine_closed)
 
     def stats(self) -> dict[str, Any]:
         return dict(self.engine.stats())
+
+
+def _engine_closed() -> EngineClosedError:
+    return EngineClosedError("the aionvme runtime of this loop was closed")
 
 
 def _hook_close(loop: asyncio.AbstractEventLoop) -> None:
@@ -378,17 +347,15 @@ def serve_blocking_callers(loop: asyncio.AbstractEventLoop) -> None:
 def get_reactor(loop: asyncio.AbstractEventLoop | None = None) -> Reactor:
     """The reactor of loop (default: the running loop), created on first use."""
     if loop is None:
-        if _FAST_LOOKUP:
-            # While a loop runs, asyncio and uvloop both install their
-            # async-generator hooks in this thread's state, as bound methods
-            # of the loop: the owner of the hook is the running loop, found
-            # without asyncio.get_running_loop(), which on Python < 3.12 makes
-            # a getpid() syscall per call. Only loops carry our attribute, so
-            # anything unexpected falls through to asyncio.
-            owner = getattr(sys.get_asyncgen_hooks().firstiter, "__self__", None)
-            cached: Reactor | None = getattr(owner, _ATTR, None)
-            if cached is not None and cached.pid == _pid and not cached.closed:
-                return cached
+        # While a loop runs, asyncio and uvloop both install their
+        # async-generator hooks in this thread's state, as bound methods of
+        # the loop: the owner of the hook is the running loop, found without
+        # asyncio.get_running_loop(), which on Python < 3.12 makes a getpid()
+        # syscall per call (loop_attr, in C). Only loops carry our attribute,
+        # so anything unexpected falls through to asyncio.
+        cached: Reactor | None = loop_attr(_ATTR)
+        if cached is not None and cached.live:
+            return cached
         loop = asyncio.get_running_loop()
     r: Reactor | None = getattr(loop, _ATTR, None)
     if r is not None and not r.closed and r.pid == _pid:
@@ -407,6 +374,9 @@ def get_reactor(loop: asyncio.AbstractEventLoop | None = None) -> Reactor:
 def _after_fork_in_child() -> None:
     global _pid
     _pid = os.getpid()
+    for eng in list(_engines):
+        if isinstance(eng.owner, Reactor):
+            eng.owner.live = False  # the parent's: a new one is made on first use
     # The child must not touch the parent's AIO contexts (EINVAL) or wait for
     # worker threads that were not copied: forget them; new engines are made
     # on first use because reactors and sync engines check the pid.

@@ -3,8 +3,10 @@ formats and the DeepSpeed handle goes through :func:`submit` (async) or
 :func:`run` (blocking), host buffers to the engine, CUDA tensors to cuFile or
 the bounce pipeline.
 
-The asyncio contract lives here: :func:`submit` returns a future that is
-also a coroutine (see :class:`~aionvme._runtime.reactor.AsCoroutine`), and
+The asyncio contract lives here: :func:`submit` returns a future-like
+coroutine (a ``Transfer``, see cython_ext/aionvme/awaitable.pxi; errors found
+before anything was queued come as a failed future that is also a coroutine,
+see :class:`~aionvme._runtime.reactor.AsCoroutine`), and
 never raises for anything found while setting the transfer up (open
 failures, a closed File, a bad buffer or offset, a bad knob): the error is
 set on the future and arrives at the await. The only error of the call
@@ -19,13 +21,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from .. import _engine, defaults
-from .._engine import MODE_NO_OVERLAP, MODE_SINGLE_SUBMIT, Engine, FileHandle, Request
+from .._engine import MODE_NO_OVERLAP, MODE_SINGLE_SUBMIT, Engine, FileHandle, Request, loop_attr
 from ..exceptions import CuFileError, ShortReadError, UnsupportedOperation
 from . import bounce, cufile
 from .blocking import run as drive_request
 from .cuda import Params, any_cuda, helper, is_cuda, require_cuda
 from .opening import FileBase, handle_for
-from .reactor import AsCoroutine, Reactor, failed, get_reactor
+from .reactor import REACTOR_ATTR, AsCoroutine, Reactor, failed, get_reactor
 
 __all__ = [
     "FDATASYNC",
@@ -160,8 +162,21 @@ def submit_file(op: int, file: FileBase, data: Any, offset: int, p: Params) -> A
     """:func:`submit` of READ or WRITE on an open File, on the running loop's
     reactor: the same dispatch with the steps a File makes unnecessary left
     out (no path to open, no reactor callback). 4 KiB random reads by gather
-    are bound by this path's CPU: measured here (bench/gather_cpu.py, 3x3
-    alternated runs) the general :func:`submit` cost ~1 µs more per read."""
+    are bound by this path's CPU, so the common case (a host buffer, a live
+    reactor) takes no other Python call than the engine's and the reactor's:
+    anything else (no loop yet, a closed File, a CUDA tensor, a bad buffer)
+    fails the engine call before a request is queued, and goes the long way."""
+    r: Reactor | None = loop_attr(REACTOR_ATTR)
+    h = file._h
+    if r is not None and r.live and h is not None:
+        try:
+            return r.hub.read(h, data, offset, p) if op == READ else r.hub.write(h, data, offset, p)
+        except Exception:
+            pass  # nothing was queued: the long way reports it (or serves a CUDA tensor)
+    return _submit_file(op, file, data, offset, p)
+
+
+def _submit_file(op: int, file: FileBase, data: Any, offset: int, p: Params) -> Awaitable[int]:
     try:
         r = get_reactor()
     except RuntimeError:

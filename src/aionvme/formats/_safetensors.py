@@ -462,7 +462,7 @@ def plan(
 
 async def _await_quietly(futs: Iterable[Awaitable[Any]]) -> None:
     for fut in futs:
-        if isinstance(fut, asyncio.Future):
+        if asyncio.isfuture(fut):  # transfers are future-like, not asyncio.Future instances
             fut.cancel()
         with contextlib.suppress(BaseException):
             await fut
