@@ -11,6 +11,7 @@ this prints the median time of a 1 MiB copy after each kind of pause.
 
 from __future__ import annotations
 
+import argparse
 import mmap
 import os
 import statistics
@@ -24,7 +25,9 @@ SIZE = 1 << 20
 
 
 def main(argv: list[str]) -> int:
-    d = argv[0] if argv else tempfile.gettempdir()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("dir", nargs="?", default=tempfile.gettempdir(), help="where the scratch file goes")
+    d = ap.parse_args(argv).dir
     path = os.path.join(d, "aionvme-cold-copy.bin")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
     try:

@@ -23,6 +23,15 @@ def _grads(params, seed: int) -> None:
         p.grad = torch.randn(p.shape, generator=g)
 
 
+def _step_both(opt, ours, mem, ref, steps: int) -> None:
+    """The same gradients into both parameter sets, then a step of each optimizer, ``steps`` times."""
+    for s in range(steps):
+        _grads(ours, s)
+        _grads(ref, s)
+        opt.step()
+        mem.step()
+
+
 @pytest.mark.parametrize(("backend", "fused"), [("store", False), ("file", False), ("store", True)])
 def test_reads_run_ahead_within_the_budget_and_buffers_are_reused(tmp_path, backend, fused):
     ours = _params(16, 64 << 10)  # 256 KiB each: state 512 KiB (+ a page for the step counters)
@@ -67,11 +76,7 @@ def test_part_of_the_state_stays_resident_the_rest_streams(tmp_path):
     budget = 2 << 20  # less than the state (~3.1 MiB): half stays resident, half streams
     with Optimizer(torch.optim.Adam, ours, tmp_path, lr=1e-3, budget=budget, stream_room="1M") as opt:
         mem = torch.optim.Adam(ref, lr=1e-3)
-        for s in range(3):
-            _grads(ours, s)
-            _grads(ref, s)
-            opt.step()
-            mem.step()
+        _step_both(opt, ours, mem, ref, 3)
         st = opt.stats()
         assert 0 < st["resident_chunks"] < st["chunks"]
         assert st["peak_memory_bytes"] <= budget and st["overdrafts"] == 0
@@ -125,11 +130,7 @@ def test_a_parameter_whose_state_exceeds_the_budget_is_an_overdraft(tmp_path):
     budget = 128 << 10  # the matrix's state is 512 KiB
     with Optimizer(torch.optim.AdamW, ours, tmp_path, lr=1e-3, budget=budget) as opt:
         mem = torch.optim.AdamW(ref, lr=1e-3)
-        for s in range(3):
-            _grads(ours, s)
-            _grads(ref, s)
-            opt.step()
-            mem.step()
+        _step_both(opt, ours, mem, ref, 3)
         st = opt.stats()
         assert st["overdrafts"] > 0 and st["peak_memory_bytes"] > budget
         for p, q in zip(ref, ours, strict=True):
@@ -147,11 +148,7 @@ def test_steps_after_an_error_at_the_first_chunk_of_the_first_step(tmp_path):
         with pytest.raises(RuntimeError, match="boom"):
             opt.step()
         _Flaky.fail_on = None
-        for s in range(3):
-            _grads(ours, s)
-            _grads(ref, s)
-            opt.step()
-            mem.step()
+        _step_both(opt, ours, mem, ref, 3)
         for p, q in zip(ref, ours, strict=True):
             assert torch.equal(p, q)
         assert opt.stats()["buffers_in_use"] == 0
