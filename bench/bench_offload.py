@@ -63,18 +63,9 @@ def fio_bw(path: str, rw: str, size: int) -> float:
     16 MiB blocks: the device's practical ceiling, as bench/compare.py takes it. 1 MiB
     blocks alone measured 0.8-1.7 GB/s on the 2-vCPU VM where 64 MiB requests read
     2.4 GB/s, which made the bounds loose."""
-    best = 0.0
-    for bs in ("1M", "16M"):
-        cmd = [
-            "fio", "--name=job", f"--filename={path}", f"--rw={rw}", f"--bs={bs}", "--iodepth=32",
-            "--ioengine=libaio", "--direct=1", f"--size={size}", "--output-format=json", "--thread",
-        ]  # fmt: skip
-        if rw == "read":
-            cmd.append("--readonly")
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-        job = json.loads(out[out.index("{") :])["jobs"][0]
-        best = max(best, float(job["read" if rw == "read" else "write"]["bw_bytes"]))
-    return best
+    from aionvme.bench.peers import fio
+
+    return max(r.nbytes / r.wall_s for r in (fio(path, rw, bs, 32, "libaio", size) for bs in ("1M", "16M")))
 
 
 def fio_sweep(path: str, size: int, ours: tuple[str, int]) -> dict[str, Any]:

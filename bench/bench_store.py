@@ -53,18 +53,10 @@ GB = 1e9
 
 def fio(path: str, rw: str, bs: int, size: int) -> float | None:
     """fio's bandwidth in GB/s (O_DIRECT, libaio, iodepth 1), or None without fio."""
-    if shutil.which("fio") is None:
+    if peers.fio_unavailable() is not None:
         return None
-    cmd = [
-        "fio", "--name=job", f"--filename={path}", f"--rw={rw}", f"--bs={bs}", "--iodepth=1",
-        "--ioengine=libaio", "--direct=1", f"--size={size}", "--output-format=json", "--thread",
-    ]  # fmt: skip
-    if rw == "write":
-        cmd.append("--end_fsync=1")
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    job = json.loads(out[out.index("{") :])["jobs"][0]
-    side = job["read"] if rw == "read" else job["write"]
-    return float(side["bw_bytes"]) / GB
+    r = peers.fio(path, rw, str(bs), 1, "libaio", size, **({"end_fsync": 1} if rw == "write" else {}))
+    return r.nbytes / r.wall_s / GB
 
 
 def median_run(runs: list[dict[str, Any]], key: str = "ratio") -> dict[str, Any]:
