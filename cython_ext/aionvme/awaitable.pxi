@@ -242,10 +242,18 @@ cdef class Hub:
         return self._transfer(f, buf, offset, p, True)
 
     cdef Transfer _transfer(self, FileHandle f, object buf, object offset, tuple p, bint write):
-        cdef Request req = _new_request(f, OP_WRITE if write else OP_READ, 1, p[0], p[1], p[2])
-        req._add_segment(buf, offset, not write)
+        return self._submit_new(_one_segment(f, buf, offset, p, write))
+
+    cdef Transfer _submit_new(self, Request req):
         self.engine._enqueue(req)
         return self._queued(req)
+
+
+cdef Request _one_segment(FileHandle f, object buf, object offset, tuple p, bint write):
+    """A request of one segment, not queued yet: raises for a bad buffer or offset."""
+    cdef Request req = _new_request(f, OP_WRITE if write else OP_READ, 1, p[0], p[1], p[2])
+    req._add_segment(buf, offset, not write)
+    return req
 
 
 def hub_transfer(str attr, object file, object buf, object offset, tuple p, bint write):
@@ -265,9 +273,12 @@ def hub_transfer(str attr, object file, object buf, object offset, tuple p, bint
     if type(h) is not FileHandle:
         return None
     try:
-        return (<Hub?>r.hub)._transfer(<FileHandle>h, buf, offset, p, write)
+        req = _one_segment(<FileHandle>h, buf, offset, p, write)
     except Exception:
-        return None
+        return None   # the long way raises it again, at the await
+    # Queued from here on: an error now must not send the caller down the long
+    # way, which would queue the same transfer a second time.
+    return (<Hub?>r.hub)._submit_new(req)
 
 
 cdef inline int64_t _req_nbytes(Request req) noexcept:
@@ -308,10 +319,6 @@ def deliver(list finished, object closed_error=None):
                         # the request stopped early and its chunks have
                         # landed: now the future may be cancelled
                         fut.cancel(req.cancel_msg)
-                    elif ok:
-                        t.result = _req_nbytes(req)
-                        t.ok = True
-                        fut.set_result(t.result)
                     else:
                         fut.set_exception(req.exception())
                 if t.drain is not None:

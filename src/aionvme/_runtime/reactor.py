@@ -219,14 +219,14 @@ class Reactor:
         if eng.backlog:
             self._retry_later()
         if finished:
-            self._deliver(finished)
+            deliver(finished)  # resolves their Transfers, in Cython
 
     def _pump(self) -> None:
         # The eventfd is readable: reap everything, refill, resolve futures.
         eng = self.engine
         finished = eng.pump()
         if finished:
-            self._deliver(finished)
+            deliver(finished)  # resolves their Transfers, in Cython
             # Scheduled after the wakeups of the tasks just resolved, so the
             # requests they make next are submitted later in that same loop
             # iteration instead of one iteration after: keeps more in flight.
@@ -263,11 +263,6 @@ class Reactor:
     def _cancel(self, req: Request) -> None:
         self.engine.cancel(req)
         self._schedule()
-
-    def _deliver(self, finished: list[Request]) -> None:
-        # Resolve the Transfers of finished requests (on the loop's thread),
-        # in Cython: one call per burst of completions.
-        deliver(finished)
 
     # -- lifecycle ---------------------------------------------------------------
 
