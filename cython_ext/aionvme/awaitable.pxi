@@ -187,7 +187,7 @@ cdef class Hub:
     4 KiB reads: 56k -> 70-77k IOPS here). Requests that finished during such
     an early flush wait in ``held`` for the scheduled one to deliver them.
 
-    ``read``/``write`` are File.pread/pwrite's whole path below Python: a
+    ``hub_transfer`` is File.pread/pwrite's whole path below Python: a
     request, its Transfer and the scheduling in one call.
     """
 
@@ -231,18 +231,6 @@ cdef class Hub:
         """The Transfer of req (queued on this hub's engine); its chunks go
         out this loop iteration."""
         return self._queued(req)
-
-    def read(self, FileHandle f not None, object buf, object offset, tuple p):
-        """Engine.read(f, buf, offset, *p), submitted: its Transfer. Raises
-        (before anything is queued) what Engine.read raises."""
-        return self._transfer(f, buf, offset, p, False)
-
-    def write(self, FileHandle f not None, object buf, object offset, tuple p):
-        """Engine.write(f, buf, offset, *p), submitted (see read)."""
-        return self._transfer(f, buf, offset, p, True)
-
-    cdef Transfer _transfer(self, FileHandle f, object buf, object offset, tuple p, bint write):
-        return self._submit_new(_one_segment(f, buf, offset, p, write))
 
     cdef Transfer _submit_new(self, Request req):
         self.engine._enqueue(req)

@@ -142,25 +142,19 @@ class File(FileBase):
         accepts and when errors arrive.
         """
         cached_for, p = self._p
-        if cached_for is defaults.settings:
-            # the hot path of random reads, in C; None: the long way takes it
-            t = hub_transfer(REACTOR_ATTR, self, buf, offset, p, False)
-            if t is not None:
-                return t
-        else:
+        if cached_for is not defaults.settings:
             p = self._params()
-        return transfer.submit_file(READ, self, buf, offset, p)
+        # the hot path of random reads, in C; None: the long way takes it
+        t = hub_transfer(REACTOR_ATTR, self, buf, offset, p, False)
+        return t if t is not None else transfer.submit_file(READ, self, buf, offset, p)
 
     def pwrite(self, buf: Any, offset: int = 0) -> Awaitable[int]:
         """Write all of buf at offset (the file grows as needed; never truncated)."""
         cached_for, p = self._p
-        if cached_for is defaults.settings:
-            t = hub_transfer(REACTOR_ATTR, self, buf, offset, p, True)
-            if t is not None:
-                return t
-        else:
+        if cached_for is not defaults.settings:
             p = self._params()
-        return transfer.submit_file(WRITE, self, buf, offset, p)
+        t = hub_transfer(REACTOR_ATTR, self, buf, offset, p, True)
+        return t if t is not None else transfer.submit_file(WRITE, self, buf, offset, p)
 
     def pread_many(self, items: Iterable[tuple[Any, int]]) -> Awaitable[int]:
         """Fill each (buffer, offset) pair; one future for the whole batch.

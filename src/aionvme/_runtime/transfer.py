@@ -21,13 +21,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from .. import _engine, defaults
-from .._engine import MODE_NO_OVERLAP, MODE_SINGLE_SUBMIT, Engine, FileHandle, Request, loop_attr
+from .._engine import MODE_NO_OVERLAP, MODE_SINGLE_SUBMIT, Engine, FileHandle, Request
 from ..exceptions import CuFileError, ShortReadError, UnsupportedOperation
 from . import bounce, cufile
 from .blocking import run as drive_request
 from .cuda import Params, any_cuda, helper, is_cuda, require_cuda
 from .opening import FileBase, handle_for
-from .reactor import REACTOR_ATTR, AsCoroutine, Reactor, failed, get_reactor
+from .reactor import AsCoroutine, Reactor, failed, get_reactor
 
 __all__ = [
     "FDATASYNC",
@@ -161,22 +161,10 @@ def submit(
 def submit_file(op: int, file: FileBase, data: Any, offset: int, p: Params) -> Awaitable[int]:
     """:func:`submit` of READ or WRITE on an open File, on the running loop's
     reactor: the same dispatch with the steps a File makes unnecessary left
-    out (no path to open, no reactor callback). 4 KiB random reads by gather
-    are bound by this path's CPU, so the common case (a host buffer, a live
-    reactor) takes no other Python call than the engine's and the reactor's:
-    anything else (no loop yet, a closed File, a CUDA tensor, a bad buffer)
-    fails the engine call before a request is queued, and goes the long way."""
-    r: Reactor | None = loop_attr(REACTOR_ATTR)
-    h = file._h
-    if r is not None and r.live and h is not None:
-        try:
-            return r.hub.read(h, data, offset, p) if op == READ else r.hub.write(h, data, offset, p)
-        except Exception:
-            pass  # nothing was queued: the long way reports it (or serves a CUDA tensor)
-    return _submit_file(op, file, data, offset, p)
-
-
-def _submit_file(op: int, file: FileBase, data: Any, offset: int, p: Params) -> Awaitable[int]:
+    out (no path to open, no reactor callback). The common case (a host
+    buffer, a live reactor) never gets here: File.pread/pwrite take it in C
+    (``hub_transfer``); this is their long way (no loop yet, a closed File, a
+    CUDA tensor, a bad buffer), which reports errors at the await."""
     try:
         r = get_reactor()
     except RuntimeError:
