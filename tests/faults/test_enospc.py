@@ -129,3 +129,30 @@ async def test_runtime_is_usable_after_enospc(ext4, make_file):
     assert np.array_equal(np.fromfile(path, np.uint8), payload)
     s = nvme.stats()
     assert s["live_requests"] == 0 and s["inflight"] == 0
+
+
+def test_optimizer_state_a_full_disk_did_not_save_is_never_read_back_stale(ext4):
+    # The first step writes the state of every chunk; the 32 MiB filesystem
+    # takes only part of it. The step raises the disk's ENOSPC, and every
+    # later use of the state raises StateLostError instead of stepping on
+    # state that was never saved (or, with the store, an older copy of it).
+    torch = pytest.importorskip("torch")
+    from aionvme.offload import Optimizer, StateLostError
+
+    params = [torch.nn.Parameter(torch.randn(1 << 20)) for _ in range(6)]  # AdamW state: 48 MiB
+    opt = Optimizer(torch.optim.AdamW, params, ext4.mnt, lr=1e-3, budget="8M", backend="file")
+    try:
+        for p in params:
+            p.grad = torch.ones_like(p)
+        with pytest.raises(OSError) as ei:
+            opt.step()
+        assert ei.value.errno == errno.ENOSPC and ei.value.filename is not None
+        before = [p.detach().clone() for p in params]
+        with pytest.raises(StateLostError) as lost:
+            opt.step()
+        assert isinstance(lost.value.__cause__, OSError) and lost.value.__cause__.errno == errno.ENOSPC
+        assert all(torch.equal(a, p) for a, p in zip(before, params))  # refused before any update
+        with pytest.raises(StateLostError):
+            opt.state_dict()
+    finally:
+        opt.close()

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._planner import BudgetError
+from ._planner import BudgetError, StateLostError
 
 if TYPE_CHECKING:
     from ._optimizer import Optimizer
     from ._stream import Streamer, stream, streamer_of
 
-__all__ = ["BudgetError", "Optimizer", "Streamer", "stream", "streamer_of"]
+__all__ = ["BudgetError", "Optimizer", "StateLostError", "Streamer", "stream", "streamer_of"]
 
 _LAZY = {
     "stream": "_stream",

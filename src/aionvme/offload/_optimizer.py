@@ -17,7 +17,7 @@ from ..defaults import parse_size
 from ..memory import empty
 from ._loop import LoopThread
 from ._pipeline import Job, Pipeline
-from ._planner import Ledger
+from ._planner import Ledger, StateLostError
 from ._state import BlobStore, open_blob_store
 
 __all__ = ["Optimizer"]
@@ -43,6 +43,7 @@ class _Chunk:
     stored: bool = False  # its state is in the blob store
     resident: torch.Tensor | None = None  # its blob, kept in memory under the budget
     extra: dict[int, dict[str, Any]] = field(default_factory=dict)  # non-tensor state per param#
+    lost: BaseException | None = None  # the error of the write that should have saved its state
 
 
 def _spec_of(
@@ -69,6 +70,31 @@ def _param_bytes(c: _Chunk) -> int:
 def _view(blob: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], pos: int) -> torch.Tensor:
     n = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
     return blob[pos : pos + n].view(dtype).reshape(shape)
+
+
+def _check_saved(chunks: Iterable[_Chunk]) -> None:
+    """StateLostError for the first chunk whose last write failed."""
+    for c in chunks:
+        if c.lost is not None:
+            raise StateLostError(
+                f"the optimizer state of chunk {c.key} was not saved (its write failed: {c.lost}); "
+                "load a state_dict to go on"
+            ) from c.lost
+
+
+def _settle(writes: list[tuple[_Chunk, concurrent.futures.Future[None]]]) -> BaseException | None:
+    """Wait for the writes and mark each chunk whose write failed as lost: the
+    first write's error, or None."""
+    first: BaseException | None = None
+    for c, w in writes:
+        try:
+            err = w.exception()
+        except concurrent.futures.CancelledError as e:
+            err = e
+        if err is not None:
+            c.lost = err
+            first = first or err
+    return first
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -276,13 +302,14 @@ class Optimizer(torch.optim.Optimizer):
                 loss = closure()
         self._rechunk()
         todo = [c for c in self._chunks if any(p.grad is not None for _, p in c.params)]
+        _check_saved(todo)
         pipe = self._pipe
         jobs: dict[int, Job] = {}
         for i, c in enumerate(todo):
             if c.resident is None:
                 key = c.key if c.stored else None
                 jobs[i] = Job(i, key, c.nbytes, concurrent.futures.Future())
-        writes: list[concurrent.futures.Future[None]] = []
+        writes: list[tuple[_Chunk, concurrent.futures.Future[None]]] = []
         held: list[torch.Tensor] = []  # pipeline buffers this thread holds now
         taken: set[int] = set()
         t_origin = time.perf_counter()
@@ -329,18 +356,20 @@ class Optimizer(torch.optim.Optimizer):
                     self._loop.run(pipe.keep(buf, id(c)))
                     self._kept(c, blob, buf.numel())
                     continue
-                writes.append(self._loop.submit(pipe.write(c.key, buf, c.nbytes)))
+                writes.append((c, self._loop.submit(pipe.write(c.key, buf, c.nbytes))))
                 c.stored = True
         finally:
             # An error leaves nothing in flight: reads and writes are awaited,
-            # and the buffers go back to the pipeline.
+            # and the buffers go back to the pipeline. A chunk whose write
+            # failed is marked lost, whatever else went wrong.
             try:
                 self._loop.run(pipe.finish(held, taken))
             finally:
                 if threads:
                     torch.set_num_threads(threads)
-        for w in writes:
-            w.result()
+                failed = _settle(writes)
+        if failed is not None:
+            raise failed
         self.steps += 1
         return loss
 
@@ -366,6 +395,7 @@ class Optimizer(torch.optim.Optimizer):
         """``blob`` (``nbytes`` in the ledger) is the chunk's resident state from now on."""
         c.resident = blob
         c.stored = False
+        c.lost = None
         if self._plan is not None:
             self._plan[2] += nbytes
 
@@ -481,6 +511,7 @@ class Optimizer(torch.optim.Optimizer):
 
     def _gather_state(self) -> None:
         """Every chunk's state into the wrapped optimizer's ``state`` (read whole)."""
+        _check_saved(self._chunks)
         futs = {
             i: self._loop.submit(self._store.read(c.key, c.nbytes))
             for i, c in enumerate(self._chunks)
@@ -495,7 +526,7 @@ class Optimizer(torch.optim.Optimizer):
 
     def _scatter_state(self) -> None:
         """The wrapped optimizer's ``state`` out to the chunks (resident or written)."""
-        futs = []
+        futs: list[tuple[_Chunk, concurrent.futures.Future[None]]] = []
         for c in self._chunks:
             if not any(p in self._inner.state for _, p in c.params):
                 continue
@@ -506,11 +537,12 @@ class Optimizer(torch.optim.Optimizer):
                     self.ledger.reserve(id(c), blob.numel())
                 self._kept(c, blob, blob.numel())
             else:
-                futs.append(self._loop.submit(self._store.write(c.key, blob)))
+                futs.append((c, self._loop.submit(self._store.write(c.key, blob))))
                 c.stored = True
-        for f in futs:
-            f.result()
+        failed = _settle(futs)
         self._inner.state.clear()
+        if failed is not None:
+            raise failed
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's ``state_dict()``, with all state read back:
@@ -531,7 +563,7 @@ class Optimizer(torch.optim.Optimizer):
             if c.resident is not None:
                 with self._lock:
                     self.ledger.release(id(c))
-            c.resident, c.stored, c.spec, c.nbytes, c.extra = None, False, (), 0, {}
+            c.resident, c.stored, c.spec, c.nbytes, c.extra, c.lost = None, False, (), 0, {}, None
         self._inner.load_state_dict(state_dict)
         self.param_groups = self._inner.param_groups
         if self.master_weights:

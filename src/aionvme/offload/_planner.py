@@ -15,11 +15,18 @@ from dataclasses import dataclass, field
 
 from ..exceptions import AionvmeError
 
-__all__ = ["BudgetError", "Ledger", "ResidencyPlan", "plan_residency", "upcoming"]
+__all__ = ["BudgetError", "Ledger", "ResidencyPlan", "StateLostError", "plan_residency", "upcoming"]
 
 
 class BudgetError(AionvmeError, MemoryError):
     """The memory budget cannot hold what must be resident at once."""
+
+
+class StateLostError(AionvmeError, RuntimeError):
+    """Optimizer state that a failed write did not save: the step that updated
+    it raised the write's error; this is raised by every later use of that
+    state (a step, ``state_dict()``) until ``load_state_dict()`` replaces it.
+    ``__cause__`` is the write's error."""
 
 
 @dataclass(frozen=True)

@@ -69,10 +69,14 @@ class FileBlobStore:
         if ext is None or ext[1] < n:
             off = self._end
             size = (n + _ALIGN - 1) // _ALIGN * _ALIGN
-            self._end += size
+            self._end += size  # before the await: concurrent writes of new keys get their own ranges
             # ext4: an O_DIRECT write that extends the file makes io_submit
             # block; allocate the range first (off the loop thread).
-            await asyncio.to_thread(os.posix_fallocate, f.fileno(), off, size)
+            try:
+                await asyncio.to_thread(os.posix_fallocate, f.fileno(), off, size)
+            except OSError as e:
+                e.filename = e.filename or self.path  # posix_fallocate names no file
+                raise
             ext = self._extents[key] = (off, size)
         await f.pwrite(blob, ext[0])
         self.bytes_written += n
