@@ -237,17 +237,21 @@ def test_master_weights_bitwise_equal_to_the_recipe_in_memory(tmp_path, backend)
     ref_model, ref_scale = _mixed(7)
     model = copy.deepcopy(ref_model)
     ref = _InMemoryMaster(ref_model, lr=1e-2, weight_decay=0.1)
-    opt = Optimizer(
-        torch.optim.AdamW,
-        model.parameters(),
-        tmp_path / "a",
-        lr=1e-2,
-        weight_decay=0.1,
-        budget="48K",
-        chunk_size="1K",
-        backend=backend,
-        master_weights=True,
-    )
+
+    def make(params, path):
+        return Optimizer(
+            torch.optim.AdamW,
+            params,
+            path,
+            lr=1e-2,
+            weight_decay=0.1,
+            budget="48K",
+            chunk_size="1K",
+            backend=backend,
+            master_weights=True,
+        )
+
+    opt = make(model.parameters(), tmp_path / "a")
     try:
         for s in range(3):
             for m, o in ((ref_model, ref), (model, opt)):
@@ -279,17 +283,7 @@ def test_master_weights_bitwise_equal_to_the_recipe_in_memory(tmp_path, backend)
         assert n_master > 0
         # state_dict round trip into a fresh optimizer: fp32 stays fp32, and it goes on identically
         model2 = copy.deepcopy(model)
-        opt2 = Optimizer(
-            torch.optim.AdamW,
-            model2.parameters(),
-            tmp_path / "b",
-            lr=1e-2,
-            weight_decay=0.1,
-            budget="48K",
-            chunk_size="1K",
-            backend=backend,
-            master_weights=True,
-        )
+        opt2 = make(model2.parameters(), tmp_path / "b")
         try:
             opt2.load_state_dict(sd)
             back = opt2.state_dict()
