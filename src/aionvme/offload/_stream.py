@@ -607,7 +607,13 @@ class Streamer:
                 out[j] = buf[pos : pos + length]
                 by_file.setdefault(path, []).append((out[j], off))
                 pos += _round_up(length, _ALIGN)
-            await asyncio.gather(*(self._file(p).pread_many(items) for p, items in by_file.items()))
+            # every file's reads end before buf is let go, even when one fails
+            results = await asyncio.gather(
+                *(self._file(p).pread_many(items) for p, items in by_file.items()), return_exceptions=True
+            )
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
         except BaseException:
             self._add_outside(u, -size)  # nothing of it is held now
             raise

@@ -1110,9 +1110,14 @@ class TieredStore:
         for e, raw in admitted[len(admitted) - keep :]:
             await self._promote_from(e, raw)
         if warm:
+            # every get ends before this returns or raises: none is left copying into an out= buffer
             got = await asyncio.gather(
-                *(self._get_entry(entries[i], str(device), dests[i], deadline) for i in warm)
+                *(self._get_entry(entries[i], str(device), dests[i], deadline) for i in warm),
+                return_exceptions=True,
             )
+            for r in got:
+                if isinstance(r, BaseException):
+                    raise r
             for i, v in zip(warm, got):
                 res[i] = v
         return res
