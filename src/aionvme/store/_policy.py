@@ -35,8 +35,10 @@ class EvictionPolicy(Protocol):
     ``insert(item, nbytes)``: the item became resident in the tier.
     ``touch(item)``: the resident item was read (a hit).
     ``remove(item)``: the item left the tier (evicted, deleted, replaced).
-    ``victims()``: resident items, coldest first (iterate over a snapshot:
-    the store calls ``remove`` on those it evicts while it iterates). It may
+    ``victims()``: resident items, coldest first. The store takes what it
+    needs from the front and is done with the iterator before it changes the
+    tier (it never resumes one after an ``insert``/``remove``), so the policy
+    may return a live iterator (no O(items) snapshot per eviction). It may
     stop early and skip items it cannot evict now.
     Items are handles with ``.key`` and ``.nbytes``; one key may have two
     items resident for a moment while a put replaces it.
@@ -69,7 +71,7 @@ class LRUPolicy:
         self._order.pop(key, None)
 
     def victims(self) -> Iterator[Hashable]:
-        return iter(list(self._order))
+        return iter(self._order)  # live: a put that evicts reads only the cold end
 
 
 class LFUPolicy:
@@ -107,7 +109,8 @@ class LFUPolicy:
                 del self._buckets[c]
 
     def victims(self) -> Iterator[Hashable]:
-        return iter([k for c in sorted(self._buckets) for k in self._buckets[c]])
+        for c in sorted(self._buckets):  # live, as LRU's (a few distinct counts to sort)
+            yield from self._buckets[c]
 
 
 class S3FIFOPolicy:

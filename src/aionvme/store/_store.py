@@ -198,6 +198,10 @@ class TieredStore:
         self._compact_lock: asyncio.Lock | None = None
         self._cleaners: set[asyncio.Task[None]] = set()  # write-behind batches in flight
         self._clean_bytes = 0  # bytes they write
+        # host entries put with no other copy, oldest first: what write-behind
+        # looks at (it skips clean values without walking the whole tier);
+        # entries that stopped being dirty are dropped as the cleaner meets them
+        self._dirty: dict[Entry, None] = {}
         self.clean_batch = 4 << 20  # bytes per write-behind batch (several in flight)
         self.errors: list[BaseException] = []  # failures of prefetches nobody awaited
         host_b = defaults.parse_size(host)
@@ -380,6 +384,7 @@ class TieredStore:
         """The entry was replaced or deleted: free each copy now, or when its last reader ends."""
         e.dead = True
         self._host.discard(e)
+        self._dirty.pop(e, None)
         if self._gpu is not None:
             self._gpu.discard(e)
         if e.host is not None and e.refs == 0 and not e.moving:
@@ -397,6 +402,7 @@ class TieredStore:
         if e.host is None:
             return
         self._host.discard(e)
+        self._dirty.pop(e, None)
         self._host.free(e.host, e.nbytes)
         e.host = None
         self._host.stats["evictions"] += 1
@@ -716,6 +722,8 @@ class TieredStore:
                         finally:
                             e.refs -= 1
                         self._host.add(e)
+                        if not self.persist:
+                            self._dirty[e] = None
                     else:
                         bypass.append((e, src))
                 # straight to NVMe: values no memory tier can take
@@ -761,18 +769,7 @@ class TieredStore:
             return
         if self._clean_bytes >= budget and len(self._cleaners) >= 2:
             return
-        cands: list[Entry] = list(h.policy.victims())  # type: ignore[arg-type]
-        dirty_now = [
-            e
-            for e in cands
-            if e in h.entries
-            and e.disk is None
-            and e.gpu is None
-            and e.host is not None
-            and e.refs == 0
-            and not e.moving
-            and e.loading is None
-        ]
+        dirty_now = self._dirty_candidates(budget - self._clean_bytes + 2 * self.clean_batch)
         per_batch = min(self.clean_batch, max(budget // 2, 1))
         i = 0
         while i < len(dirty_now) and (self._clean_bytes < budget or len(self._cleaners) < 2):
@@ -796,6 +793,27 @@ class TieredStore:
             self._cleaners.add(task)
             self._tasks.add(task)
             task.add_done_callback(lambda t, total=total: self._cleaned(t, total))  # type: ignore[misc]
+
+    def _dirty_candidates(self, want: int) -> list[Entry]:
+        """Dirty host values that can be written now, oldest put first, about
+        ``want`` bytes of them; entries no longer dirty leave ``_dirty``."""
+        h = self._host
+        got: list[Entry] = []
+        gone: list[Entry] = []
+        n = 0
+        for e in self._dirty:
+            if e.disk is not None or e.gpu is not None or e.host is None or e.dead or e not in h.entries:
+                gone.append(e)  # written, copied elsewhere, or out of the tier
+                continue
+            if e.refs or e.moving or e.loading is not None:
+                continue  # busy now: a later kick takes it
+            got.append(e)
+            n += round_up(e.nbytes)
+            if n >= want:
+                break
+        for e in gone:
+            del self._dirty[e]
+        return got
 
     def _cleaned(self, t: asyncio.Task[None], nbytes: int) -> None:
         self._tasks.discard(t)
