@@ -126,11 +126,16 @@ class HostTier(MemTier):
     def used(self) -> int:
         return self.alloc.used
 
-    def try_alloc(self, nbytes: int) -> int | None:
-        return self.alloc.alloc(nbytes)
+    def try_alloc(self, nbytes: int, phase: int = 0) -> int | None:
+        """The arena offset of nbytes, ``phase`` bytes into its first page (the
+        phase of the value's extent on NVMe: reads and writes of it are then
+        zero-copy but for the end blocks), or None when there is no room."""
+        off = self.alloc.alloc(nbytes + phase)
+        return None if off is None else off + phase
 
     def free(self, off: int, nbytes: int) -> None:
-        self.alloc.free(off, nbytes)
+        p = off % ALIGN
+        self.alloc.free(off - p, nbytes + p)
         self.notify()
 
     def view(self, off: int, nbytes: int, whole_pages: bool = False) -> Any:
@@ -153,7 +158,7 @@ class GpuTier(MemTier):
     def used(self) -> int:
         return self._used
 
-    def try_alloc(self, nbytes: int) -> Any | None:
+    def try_alloc(self, nbytes: int, phase: int = 0) -> Any | None:
         if self._used + round_up(nbytes) > self.capacity:
             return None
         import torch

@@ -6,6 +6,15 @@ buf_offset, nbytes)`` per piece, ``buf_offset`` being the piece's place in the
 value. Pieces start on 4096-byte boundaries in the file and in the value, so
 page-aligned buffers move zero-copy with O_DIRECT.
 
+A value of one piece may instead be placed at a *phase*: its bytes start
+``phase`` bytes into their first page of the file, the phase that its memory
+had in its page when it was written (a torch tensor sits 64 bytes past a page).
+The whole pages of that memory then go to and from the file with no copy; only
+the partial pages at its two ends are copied (writes: into zero-filled pages,
+no read-modify-write; reads: the engine's bounce of the end blocks). Such an
+extent is the allocated span ``[offset - phase, round_up(offset + nbytes))``,
+see :func:`span`.
+
 A negative slab index ``-(j + 1)`` names the j-th *source* instead: a file the
 store only reads (values attached in place, see ``TieredStore.attach``). Its
 pieces are never allocated, freed, moved or written, and may start anywhere.
@@ -21,16 +30,40 @@ import secrets
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from .. import file as _file
+from .. import memory
 from ._alloc import ALIGN, ExtentAllocator, round_up
 from ._errors import StoreFullError
 
-__all__ = ["Extents", "NvmeTier", "Slab"]
+__all__ = ["Extents", "NvmeTier", "Slab", "phase_of", "span"]
 
 Extent = tuple[int, int, int, int]  # (slab index, file offset, offset in the value, nbytes)
 Extents = list[Extent]
 
 GROW_MIN = 64 << 20  # a slab grows by at least this much (fallocate), or by a quarter of itself
+# Values smaller than this are placed at phase 0: a bounce of a small value
+# costs little, a page of slack per value does.
+PHASE_MIN = 256 << 10
+PHASE_UNIT = 16  # phases are multiples of this: any dtype's alignment (malloc gives 16)
+
+
+def span(offset: int, nbytes: int) -> tuple[int, int]:
+    """The allocated (offset, nbytes) of a piece at ``offset`` (its phase is
+    ``offset % ALIGN``: 0 for every piece but a phase-placed value's)."""
+    p = offset % ALIGN
+    return offset - p, nbytes + p
+
+
+def phase_of(ext: Extents | None) -> int:
+    """The phase of a one-piece value's bytes in their first page of the file
+    (a multiple of PHASE_UNIT), else 0. Memory at the same phase moves with
+    no copy but the end blocks'."""
+    if not ext or len(ext) != 1:
+        return 0
+    p = ext[0][1] % ALIGN
+    return p if p % PHASE_UNIT == 0 else 0
 
 
 class Slab:
@@ -54,6 +87,26 @@ class Slab:
     @property
     def size(self) -> int:
         return self.alloc.capacity
+
+
+def _phased(raw: Any, boff: int, n: int, off: int, pages: Any) -> list[tuple[Any, int]]:
+    """Write items of the n bytes raw[boff:] at file offset off (not page-
+    aligned): its first and last partial pages copied into ``pages`` (two
+    zeroed pages), the whole pages between straight from raw."""
+    p = off % ALIGN
+    base = off - p
+    src = raw.numpy() if not isinstance(raw, np.ndarray) else raw  # a CPU tensor: the same bytes
+    head = min(n, ALIGN - p)
+    pages[p : p + head] = src[boff : boff + head]
+    items = [(pages[:ALIGN], base)]
+    body = (n - head) // ALIGN * ALIGN
+    if body:
+        items.append((raw[boff + head : boff + head + body], base + ALIGN))
+    tail = n - head - body
+    if tail:
+        pages[ALIGN : ALIGN + tail] = src[boff + head + body : boff + n]
+        items.append((pages[ALIGN:], base + ALIGN + body))
+    return items
 
 
 def _fallocate(fd: int, offset: int, length: int, path: str) -> None:
@@ -164,11 +217,30 @@ class NvmeTier:
                 return None
         return out
 
-    async def allocate(self, nbytes: int) -> Extents:
+    async def allocate(self, nbytes: int, phase: int = 0) -> Extents:
         """Extents for a value of nbytes: from free space, else by growing a slab.
 
+        ``phase``: where in its page the memory the value is written from
+        starts (``address % 4096``); a value of PHASE_MIN bytes or more that
+        fits one piece is placed at that phase (see the module's notes) in
+        slabs that grow. A tier of a fixed size (``nvme=``) packs values at
+        page boundaries: the page of slack a phase costs would make a tier
+        sized for its values too small for them.
         Raises StoreFullError (ENOSPC) when neither works.
         """
+        phase %= ALIGN
+        if (
+            phase
+            and phase % PHASE_UNIT == 0
+            and nbytes >= PHASE_MIN
+            and self.capacity_limit is None
+            and len(self.pieces(nbytes + phase)) == 1
+        ):
+            ((i, off, _, _),) = await self._allocate(nbytes + phase)
+            return [(i, off + phase, 0, nbytes)]
+        return await self._allocate(nbytes)
+
+    async def _allocate(self, nbytes: int) -> Extents:
         ext = self._try_alloc(nbytes)
         if ext is not None:
             return ext
@@ -235,7 +307,7 @@ class NvmeTier:
     def free(self, ext: Extents) -> None:
         for i, off, _boff, n in ext:
             if i >= 0:  # a source's bytes are the file's own
-                self.slabs[i].alloc.free(off, n)
+                self.slabs[i].alloc.free(*span(off, n))
 
     def source(self, path: str) -> tuple[int, int]:
         """The (negative) slab index of a read-only source file, opened once,
@@ -254,17 +326,31 @@ class NvmeTier:
         """Mark extents used (rebuilding from a journal)."""
         for i, off, _boff, n in ext:
             s = self.slabs[i]
+            off, n = span(off, n)
             if off + round_up(max(n, 1)) > s.size:
                 s.alloc.grow(off + round_up(max(n, 1)))
             s.alloc.reserve(off, n)
 
     # -- transfers ---------------------------------------------------------------------
 
-    def _items(self, jobs: Sequence[tuple[Extents, Any]]) -> dict[int, list[tuple[Any, int]]]:
+    def _items(self, jobs: Sequence[tuple[Extents, Any]], write: bool) -> dict[int, list[tuple[Any, int]]]:
         per: dict[int, list[tuple[Any, int]]] = {}
+        phased = [(raw, x) for ext, raw in jobs for x in ext if x[0] >= 0 and x[1] % ALIGN] if write else []
+        if phased:
+            # the partial first and last pages of phase-placed values, zero-filled
+            # around their bytes: written whole, nothing is read back first
+            pages = memory.empty(2 * ALIGN * len(phased))
+            for k, (raw, (i, off, boff, n)) in enumerate(phased):
+                per.setdefault(i, []).extend(
+                    _phased(raw, boff, n, off, pages[2 * k * ALIGN : (2 * k + 2) * ALIGN])
+                )
         for ext, raw in jobs:
             size = len(raw)
             for i, off, boff, n in ext:
+                if i >= 0 and off % ALIGN:
+                    if not write:  # the engine bounces the end blocks only
+                        per.setdefault(i, []).append((raw[boff : boff + n], off))
+                    continue
                 rn = round_up(n)
                 # whole pages where the buffer has them (a source's length is exact: it may end the file)
                 ln = rn if i >= 0 and boff + rn <= size else n
@@ -272,7 +358,7 @@ class NvmeTier:
         return per
 
     async def _run(self, jobs: Sequence[tuple[Extents, Any]], write: bool) -> None:
-        per = self._items(jobs)
+        per = self._items(jobs, write)
         futs = [
             (self._file_of(i).pwrite_many(items) if write else self._file_of(i).pread_many(items))
             for i, items in per.items()

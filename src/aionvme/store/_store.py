@@ -26,9 +26,9 @@ from ._errors import (
 )
 from ._journal import Journal, load_index
 from ._memtier import GpuTier, HostTier, MemTier
-from ._nvme import Extents, NvmeTier
+from ._nvme import Extents, NvmeTier, phase_of, span
 from ._policy import Admission, EvictionPolicy, make_admission, make_policy
-from ._values import Meta, check_out, describe, flat_bytes, is_cuda, numel, result_like, view_as
+from ._values import Meta, address, check_out, describe, flat_bytes, is_cuda, numel, result_like, view_as
 
 __all__ = ["TieredStore"]
 
@@ -425,21 +425,22 @@ class TieredStore:
         return e.gpu_refs == 0 and e.gpu_loading is None and e.gpu is not None
 
     async def _make_room(
-        self, tier: MemTier, nbytes: int, deadline: float | None, what: str, wait: bool = True
+        self, tier: MemTier, nbytes: int, deadline: float | None, what: str, wait: bool = True, phase: int = 0
     ) -> Any:
         """Allocate nbytes in a memory tier, evicting colder as needed; waits
-        (FIFO among callers) while everything evictable is held or in flight."""
-        got = tier.try_alloc(nbytes)  # type: ignore[attr-defined]
+        (FIFO among callers) while everything evictable is held or in flight.
+        ``phase``: the host tier places the bytes that far into a page."""
+        got = tier.try_alloc(nbytes, phase)  # type: ignore[attr-defined]
         if got is not None and not tier.lock.locked():
             return got
         if got is not None:
             tier.free(got, nbytes)  # type: ignore[attr-defined]
         async with tier.lock:
             while True:
-                got = tier.try_alloc(nbytes)  # type: ignore[attr-defined]
+                got = tier.try_alloc(nbytes, phase)  # type: ignore[attr-defined]
                 if got is not None:
                     return got
-                short = nbytes - (tier.capacity - tier.used)
+                short = nbytes + phase - (tier.capacity - tier.used)
                 if tier is self._host and self._cleaners:
                     # the coldest values are being written already: drop clean
                     # ones if that makes room, else wait for a batch to end
@@ -503,7 +504,7 @@ class TieredStore:
         exts: list[Extents] = []
         try:
             for e in dirty:
-                exts.append(await self._nvme.allocate(e.nbytes))
+                exts.append(await self._nvme.allocate(e.nbytes, e.host))  # type: ignore[arg-type]
             jobs = [(x, self._host.view(e.host, e.nbytes, True)) for x, e in zip(exts, dirty)]  # type: ignore[arg-type]
             await self._nvme.write(jobs)
         except BaseException:
@@ -587,7 +588,7 @@ class TieredStore:
     async def _load_host(self, e: Entry, deadline: float | None, wait: bool = True) -> None:
         if e.host is not None or e.dead:
             return
-        off = await self._make_room(self._host, e.nbytes, deadline, f"{e.key!r}", wait)
+        off = await self._make_room(self._host, e.nbytes, deadline, f"{e.key!r}", wait, phase_of(e.disk))
         try:
             dst = self._host.view(off, e.nbytes, True)
             if e.host is not None or e.dead:
@@ -727,8 +728,8 @@ class TieredStore:
                     else:
                         bypass.append((e, src))
                 # straight to NVMe: values no memory tier can take
-                for e, _src in bypass:
-                    e.disk = await self._nvme.allocate(e.nbytes)
+                for e, src in bypass:
+                    e.disk = await self._nvme.allocate(e.nbytes, address(src))
                 if bypass:
                     await self._nvme.write([(e.disk, src) for e, src in bypass])  # type: ignore[misc]
                 if self.persist:
@@ -833,7 +834,7 @@ class TieredStore:
         exts: list[Extents] = []
         try:
             for e in dirty:
-                exts.append(await self._nvme.allocate(e.nbytes))
+                exts.append(await self._nvme.allocate(e.nbytes, e.host))  # type: ignore[arg-type]
             await self._nvme.write(
                 [(x, h.view(e.host, e.nbytes, True)) for x, e in zip(exts, dirty)]  # type: ignore[arg-type]
             )
@@ -868,7 +869,7 @@ class TieredStore:
         exts: list[Extents] = []
         try:
             for e in todo:
-                exts.append(await self._nvme.allocate(e.nbytes))
+                exts.append(await self._nvme.allocate(e.nbytes, e.host or 0))
             jobs = []
             for e, x in zip(todo, exts):
                 if e.host is not None:
@@ -943,7 +944,9 @@ class TieredStore:
             value = out
             cuda = is_cuda(out)
         else:
-            value, raw = result_like(meta, device, aligned=True, nbytes=round_up(meta.nbytes))
+            value, raw = result_like(
+                meta, device, aligned=True, nbytes=round_up(meta.nbytes), phase=phase_of(e.disk)
+            )
         if meta.nbytes == 0:
             return value
         # a hit: the copy in the tier asked for was there, or on its way (a
@@ -1027,7 +1030,9 @@ class TieredStore:
         if e.host is not None or e.loading is not None or e.dead:
             return
         try:
-            off = await self._make_room(self._host, e.nbytes, None, f"{e.key!r}", wait=False)
+            off = await self._make_room(
+                self._host, e.nbytes, None, f"{e.key!r}", wait=False, phase=phase_of(e.disk)
+            )
         except (StoreFullError, StoreTimeoutError):
             return  # no room now (or no disk room to evict to): the value stays on NVMe
         try:
@@ -1096,7 +1101,9 @@ class TieredStore:
                 # only on NVMe: read straight into the result with the others
                 # (one batched request per slab), promote afterwards
                 if d is None:
-                    value, raw = result_like(e.meta, "cpu", aligned=True, nbytes=round_up(e.nbytes))
+                    value, raw = result_like(
+                        e.meta, "cpu", aligned=True, nbytes=round_up(e.nbytes), phase=phase_of(e.disk)
+                    )
                 else:
                     value, raw = d, check_out(d, e.meta)
                 cold.append((i, e, value, raw))
@@ -1382,41 +1389,43 @@ class TieredStore:
             return 0
         slab = self._nvme.slabs[si]
         n = piece[3]
-        new = slab.alloc.alloc_below(n, off)
+        base, sp = span(off, n)  # the allocated extent (a phase-placed value's starts before off)
+        phase = off - base
+        new = slab.alloc.alloc_below(sp, base)
         if new is None:
             return 0
         async with self._writer(e.key):  # no put or delete of the key meanwhile (journal order)
             if e.dead or e.disk is not old_disk or self._index.get(e.key) is not e:
-                slab.alloc.free(new, n)
+                slab.alloc.free(new, sp)
                 return 0
-            bounce = memory.empty(round_up(n), "uint8")
+            bounce = memory.empty(round_up(sp), "uint8")
             e.disk_refs += 1
             try:
-                await slab.file.pread(bounce, off)
+                await slab.file.pread(bounce, base)
                 await slab.file.pwrite(bounce, new)
                 if self.persist:
                     await slab.file.fdatasync()
             except BaseException:
-                slab.alloc.free(new, n)
+                slab.alloc.free(new, sp)
                 raise
             finally:
                 e.disk_refs -= 1
             if e.dead or e.disk_refs or e.disk is not old_disk:
                 # a read of the old place began meanwhile, or the value went: keep the old place
-                slab.alloc.free(new, n)
+                slab.alloc.free(new, sp)
                 if e.dead and e.disk_refs == 0 and e.disk is not None:
                     self._nvme.free(e.disk)
                     e.disk = None
                 return 0
-            ext = [(si, new, x[2], x[3]) if x is piece else x for x in old_disk]
+            ext = [(si, new + phase, x[2], x[3]) if x is piece else x for x in old_disk]
             if self._journal is not None:
                 try:
                     await self._journal.append([{"op": "put", "k": e.key, "m": e.meta.to_json(), "x": ext}])
                 except BaseException:
-                    slab.alloc.free(new, n)
+                    slab.alloc.free(new, sp)
                     raise
             e.disk = ext
-            slab.alloc.free(off, n)
+            slab.alloc.free(base, sp)
             self._nvme.stats["bytes_in"] += n
             self._nvme.stats["bytes_out"] += n
         return n

@@ -98,16 +98,19 @@ def view_as(raw: Any, meta: Meta) -> Any:
     return t.view(torch_dtype(meta.dtype)).reshape(meta.shape)
 
 
-def result_like(meta: Meta, device: str, aligned: bool, nbytes: int | None = None) -> tuple[Any, Any]:
+def result_like(
+    meta: Meta, device: str, aligned: bool, nbytes: int | None = None, phase: int = 0
+) -> tuple[Any, Any]:
     """(value, raw) for a fresh result: ``raw`` a 1-D uint8 buffer of at least
     ``nbytes`` (default meta.nbytes) bytes, ``value`` the meta-shaped view of it.
-    ``aligned``: page-aligned host memory (O_DIRECT reads land in it directly)."""
+    ``aligned``: host memory ``phase`` bytes past a page boundary (the phase of
+    the value's extent: O_DIRECT reads land in it directly)."""
     n = meta.nbytes if nbytes is None else nbytes
     dev = str(device)
     if meta.kind == "numpy":
         if dev != "cpu":
             raise DeviceError(f"a numpy value can only be returned on 'cpu', not {device!r}")
-        raw = _aligned_numpy(n) if aligned else np.empty(n, np.uint8)
+        raw = _aligned_numpy(n, phase) if aligned else np.empty(n, np.uint8)
         return view_as(raw, meta), raw
     torch = _torch()
     if dev.startswith("cuda"):
@@ -115,7 +118,7 @@ def result_like(meta: Meta, device: str, aligned: bool, nbytes: int | None = Non
             raise DeviceError(f"device={device!r} but CUDA is not available")
         raw = torch.empty(n, dtype=torch.uint8, device=dev)
     elif dev == "cpu":
-        raw = _aligned_torch(n) if aligned else torch.empty(n, dtype=torch.uint8)
+        raw = _aligned_torch(n, phase) if aligned else torch.empty(n, dtype=torch.uint8)
     else:
         raise DeviceError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
     return view_as(raw, meta), raw
@@ -124,17 +127,27 @@ def result_like(meta: Meta, device: str, aligned: bool, nbytes: int | None = Non
 # Results are page-aligned views into slightly larger malloc'd blocks: as fast
 # to allocate as np.empty (glibc reuses its mmap'd blocks; a fresh mmap per
 # result costs page faults on every call) and on the zero-copy O_DIRECT path.
-def _aligned_numpy(n: int) -> Any:
+def _aligned_numpy(n: int, phase: int = 0) -> Any:
     raw = np.empty(n + PAGE, np.uint8)
-    off = -raw.ctypes.data % PAGE
+    off = (phase - raw.ctypes.data) % PAGE
     return raw[off : off + n]
 
 
-def _aligned_torch(n: int) -> Any:
+def _aligned_torch(n: int, phase: int = 0) -> Any:
     torch = _torch()
     raw = torch.empty(n + PAGE, dtype=torch.uint8)
-    off = -raw.data_ptr() % PAGE
+    off = (phase - raw.data_ptr()) % PAGE
     return raw[off : off + n]
+
+
+def address(buf: Any) -> int:
+    """The address of a host buffer's first byte (a numpy array or a CPU
+    tensor), 0 for anything else (a CUDA tensor)."""
+    if isinstance(buf, np.ndarray):
+        return int(buf.ctypes.data)
+    if _is_tensor(buf) and buf.device.type == "cpu":
+        return int(buf.data_ptr())
+    return 0
 
 
 def check_out(out: Any, meta: Meta) -> Any:
