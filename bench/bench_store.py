@@ -252,11 +252,16 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def deepspeed_swap(d: str, size: int, n: int, build: bool = False) -> dict[str, Any]:
+def deepspeed_swap(
+    d: str, size: int, n: int, build: bool = False, store_first: bool = False
+) -> dict[str, Any]:
     """AsyncTensorSwapper (swap out) + swap_in_tensors (swap in) in a child
     process (DeepSpeed needs a process group), once on aionvme's drop-in and
     once on DeepSpeed's own JIT-built ``async_io`` op (where it is built, or
-    ``build``: minutes), then the same on the store."""
+    ``build``: minutes), and the same on the store: after them, or before
+    them with ``store_first`` (on this disk whoever writes first after a
+    pause is faster: repetitions alternate). Each side starts after a sync,
+    so none pays for the write-back of the one before."""
     code = r"""
 import json, os, socket, sys, time, torch
 import aionvme.compat.deepspeed as compat
@@ -298,6 +303,7 @@ print(json.dumps({"out_GBps": n * size / out_s / 1e9, "in_GBps": n * size / in_s
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
 
     def child(op: str) -> dict[str, float] | str:
+        os.sync()
         try:
             r = subprocess.run(
                 [sys.executable, "-c", code, d, str(size), str(n), op],
@@ -312,12 +318,6 @@ print(json.dumps({"out_GBps": n * size / out_s / 1e9, "in_GBps": n * size / in_s
             return (r.stderr.strip().splitlines() or ["?"])[-1]
         out: dict[str, float] = json.loads(r.stdout.strip().splitlines()[-1])
         return out
-
-    ds = child("dropin")
-    if isinstance(ds, str):
-        return {"error": ds}
-    why = peers.deepspeed_unavailable(build=build)
-    own = child("own") if why is None else why
 
     async def store() -> dict[str, float]:
         import torch
@@ -335,7 +335,18 @@ print(json.dumps({"out_GBps": n * size / out_s / 1e9, "in_GBps": n * size / in_s
                 raise SystemExit("deepspeed workload: wrong bytes")
         return {"out_GBps": n * size / out_s / GB, "in_GBps": n * size / in_s / GB}
 
-    ours = asyncio.run(store())
+    ours: dict[str, float] = {}
+    if store_first:
+        os.sync()
+        ours = asyncio.run(store())
+    ds = child("dropin")
+    if isinstance(ds, str):
+        return {"error": ds}
+    why = peers.deepspeed_unavailable(build=build)
+    own = child("own") if why is None else why
+    if not store_first:
+        os.sync()
+        ours = asyncio.run(store())
     res: dict[str, Any] = {
         "size": size,
         "n": n,
@@ -428,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plot: {a.plot}")
         if not a.no_deepspeed:
             n = 8 if a.quick else 32
-            runs = [deepspeed_swap(base, max(sizes), n, a.ds_build) for _ in rep]
+            runs = [deepspeed_swap(base, max(sizes), n, a.ds_build, store_first=i % 2 == 1) for i in rep]
             r = runs[0]
             if "error" not in r:  # the median of each figure over the runs
                 for k in ("ratio_out", "ratio_in", "ratio_out_own", "ratio_in_own"):
