@@ -205,6 +205,31 @@ async def test_policies_lfu_and_s3fifo(tmp_path):
                 assert (await s.get(f"scan{i}") == i).all()
 
 
+def test_s3fifo_victims_are_found_lazily_in_s3fifo_order():
+    # A put that evicts takes one or two victims: the policy must not walk (and
+    # reinsert) every resident key for them. 10,000 keys, one touched in the
+    # small queue and one in main.
+    from aionvme.store import S3FIFOPolicy
+
+    p = S3FIFOPolicy(small_ratio=0.5)
+    for k in range(10_000):
+        p.insert(k, 1)
+    p.touch(0)
+    list(p.victims())  # a full pass: 0 (touched in small) went to main, the rest are victims
+    for k in range(1, 5_001):
+        p.remove(k)  # evicted: ghosts now
+    p.touch(9_000)
+    assert next(p.victims()) == 5_001  # the head of the small queue, untouched
+    assert 9_000 in p._small  # a touched key past the first slice: not looked at yet
+    order = list(p.victims())  # consumed whole: the S3-FIFO order
+    assert 9_000 in p._main and order.index(9_000) > order.index(0) >= 0
+    assert (
+        order[:3] == [5_001, 5_002, 5_003]
+        and len(order) == 5_000
+        and set(order) == set(range(5_001, 10_000)) | {0}
+    )
+
+
 async def test_user_policy_object(tmp_path):
     class NewestFirst:  # evicts the most recently inserted key
         def __init__(self):

@@ -155,31 +155,53 @@ class S3FIFOPolicy:
             self._main.pop(key, None)
 
     def victims(self) -> Iterator[Hashable]:
-        # Reinsertion on the way: touched keys in small move to main, touched
-        # keys in main go round again with their count decremented.
-        out: list[Hashable] = []
+        # A generator: a put that evicts takes the few victims it needs, not
+        # an O(keys) pass. Reinsertion on the way, as S3-FIFO evicts: touched
+        # keys in small move to main, touched keys in main go round again
+        # with their count decremented; untouched keys are the victims and
+        # stay where they are (the store evicts them, or skips held ones).
         total = len(self._small) + len(self._main)
         small_target = max(1, int(total * self.small_ratio))
+        yielded: set[Hashable] = set()
         for _ in range(2):
             if len(self._small) >= small_target or not self._main:
-                for k in list(self._small):
-                    if self._freq[k] > 0:
-                        del self._small[k]
+                yield from self._sweep(self._small, yielded, promote=True)
+            yield from self._sweep(self._main, yielded, promote=False)
+            if yielded:
+                break
+        # the store needs more: every other resident key, small queue first
+        for k in itertools.chain(self._small, self._main):
+            if k not in yielded:
+                yield k
+
+    def _sweep(
+        self, q: collections.OrderedDict[Hashable, None], yielded: set[Hashable], promote: bool
+    ) -> Iterator[Hashable]:
+        """One pass over q's keys, front to back, each looked at once; q is
+        read in slices of 64 (victims stay at its front, counted in skip)."""
+        skip = seen = 0
+        n = len(q)
+        while seen < n:
+            batch = list(itertools.islice(q, skip, skip + 64))
+            if not batch:
+                return
+            for k in batch:
+                seen += 1
+                if self._freq[k] > 0:
+                    if promote:
+                        del q[k]
                         self._freq[k] = 0
                         self._main[k] = None
                     else:
-                        out.append(k)
-            for k in list(self._main):
-                if self._freq[k] > 0:
-                    self._freq[k] -= 1
-                    self._main.move_to_end(k)
+                        self._freq[k] -= 1
+                        q.move_to_end(k)
                 else:
-                    out.append(k)
-            if out:
-                break
-        seen: set[Hashable] = set(out)
-        out.extend(k for k in itertools.chain(self._small, self._main) if k not in seen)
-        return iter(out)
+                    skip += 1
+                    if k not in yielded:
+                        yielded.add(k)
+                        yield k
+                if seen >= n:
+                    return
 
 
 class Admission(Protocol):
