@@ -13,6 +13,7 @@ persistent) deleting every key must leave no byte used in any tier."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import shutil
@@ -195,22 +196,42 @@ EXAMPLES = int(os.environ.get("AIONVME_PROPERTY_EXAMPLES", "25"))
     nvme_cap=st.sampled_from([None, 1 << 20]),
     persist=st.booleans(),
     loop=st.sampled_from(["asyncio", "uvloop"]),
+    phased=st.booleans(),
 )
 def test_concurrent_programs_match_a_model(
-    tmp_path_factory, prog, policy, admit, ndirs, nvme_cap, persist, loop
+    tmp_path_factory, prog, policy, admit, ndirs, nvme_cap, persist, loop, phased
 ):
     base = tempfile.mkdtemp(dir=tmp_path_factory.getbasetemp())
     try:
         dirs = [os.path.join(base, f"d{i}") for i in range(ndirs)]
         coro = _guarded(_program(dirs, prog, policy, admit, nvme_cap, persist))
-        uvloop.run(coro) if loop == "uvloop" else asyncio.run(coro)
+        with _phase_min(4096 if phased else None):
+            uvloop.run(coro) if loop == "uvloop" else asyncio.run(coro)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _phase_min(n: int | None):
+    """Place values of n bytes or more at their memory's phase (see
+    aionvme.store._nvme): these programs' values (up to 70,000 bytes) are
+    all below the real threshold, 256 KiB."""
+    from aionvme.store import _nvme
+
+    old = _nvme.PHASE_MIN
+    _nvme.PHASE_MIN = old if n is None else n
+    try:
+        yield
+    finally:
+        _nvme.PHASE_MIN = old
+
+
+@pytest.mark.parametrize("phased", [False, True])
 @pytest.mark.parametrize("persist", [False, True])
-async def test_many_coroutines_on_few_keys(tmp_path, persist):
-    """A fixed storm: 200 calls at once on three keys, on the conftest's two loops."""
+async def test_many_coroutines_on_few_keys(tmp_path, persist, phased):
+    """A fixed storm: 200 calls at once on three keys, on the conftest's two loops
+    (phased: values of 4 KiB or more placed at their memory's phase, in a
+    growing NVMe tier)."""
     rng = np.random.default_rng(7)
     prog = []
     for _ in range(4):
@@ -226,10 +247,11 @@ async def test_many_coroutines_on_few_keys(tmp_path, persist):
             rnd.append((op, [k, KEYS[(KEYS.index(k) + 1) % 3]] if op == "get_many" else k, spec))
         prog.append(rnd)
     model: dict = {}
-    async with TieredStore(tmp_path, host=HOST, persist=persist, nvme="4M") as store:
-        for rnd in prog:
-            await _round(store, model, rnd)
-            await _check(store, model)
+    with _phase_min(4096 if phased else None):
+        async with TieredStore(tmp_path, host=HOST, persist=persist, nvme=None if phased else "4M") as store:
+            for rnd in prog:
+                await _round(store, model, rnd)
+                await _check(store, model)
 
 
 @settings(max_examples=200, deadline=None)
