@@ -27,6 +27,7 @@ _PAGE = 4096  # a blob is whole pages: read and written with O_DIRECT, no bounce
 _DEPTH = 6  # chunks the streaming room is sized for: 2-3 read ahead, 1 stepped, 2 written behind
 _ROOM = 64 << 20  # default streaming room (a quarter of the budget when that is more): bytes in flight
 _LOW = (torch.bfloat16, torch.float16)  # parameters that get an fp32 master with master_weights=True
+_PIECE = 1024  # a split parameter's pieces are multiples of this many elements
 MASTER = "master"  # the state key of a parameter's fp32 master copy
 
 
@@ -44,6 +45,11 @@ class _Chunk:
     resident: torch.Tensor | None = None  # its blob, kept in memory under the budget
     extra: dict[int, dict[str, Any]] = field(default_factory=dict)  # non-tensor state per param#
     lost: BaseException | None = None  # the error of the write that should have saved its state
+    # A piece of a split parameter: params is [(group, a view of parent's
+    # elements [lo, hi))], made again at each step (see Optimizer._piece_views).
+    parent: torch.Tensor | None = None
+    lo: int = 0
+    hi: int = 0
 
 
 def _spec_of(
@@ -166,10 +172,15 @@ class Optimizer(torch.optim.Optimizer):
     an LRU cache smaller than the state would miss on every chunk).
 
     The budget is kept by waiting: a read ahead starts only when its buffer
-    fits. The one exception is a chunk whose state alone is larger than what
-    the resident chunks leave (a parameter with state larger than the
-    budget): it is stepped anyway, over the budget, and ``stats()`` counts an
-    ``overdraft``; give such a parameter a larger budget. The optimizer's own
+    fits. A parameter of more than two chunks' bytes is split into pieces of
+    about ``chunk_size`` (flat ranges of its elements, multiples of 1024),
+    each a chunk of its own: torch's update is elementwise, so stepping the
+    pieces gives the whole parameter's result bit for bit, and
+    :meth:`state_dict` joins their state into the parameter's. The one
+    exception left is a chunk whose state alone is larger than what the
+    resident chunks leave and that cannot be split (a non-contiguous
+    parameter): it is stepped anyway, over the budget, and ``stats()`` counts
+    an ``overdraft``; give such a parameter a larger budget. The optimizer's own
     fresh state at a chunk's first step (made by torch, then packed) is
     transient memory outside the budget.
     ``param_groups`` are the wrapped optimizer's (LR schedulers work);
@@ -268,6 +279,17 @@ class Optimizer(torch.optim.Optimizer):
             size = 0
             for p in g["params"]:
                 n = p.numel() * p.element_size()
+                per = self.chunk_size // p.element_size() // _PIECE * _PIECE
+                if n > 2 * self.chunk_size and per and p.is_contiguous() and p.numel() > per:
+                    # a parameter larger than two chunks: pieces of ~chunk_size, each a chunk
+                    if cur:
+                        chunks.append(_Chunk(f"g{gi}c{len(chunks)}", cur))
+                        cur, size = [], 0
+                    for lo in range(0, p.numel(), per):
+                        hi = min(p.numel(), lo + per)
+                        view = p.detach().view(-1)[lo:hi]
+                        chunks.append(_Chunk(f"g{gi}c{len(chunks)}", [(gi, view)], parent=p, lo=lo, hi=hi))
+                    continue
                 # a chunk less than half full takes the next parameter even past chunk_size:
                 # a bias between two weights joins the next weight instead of making a tiny
                 # chunk (chunks of even sizes share the pipeline's buffers best)
@@ -301,6 +323,13 @@ class Optimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._rechunk()
+        self._piece_views(grads=True)
+        try:
+            return self._step(loss)
+        finally:
+            self._piece_views(grads=False)
+
+    def _step(self, loss: float | None) -> float | None:
         todo = [c for c in self._chunks if any(p.grad is not None for _, p in c.params)]
         _check_saved(todo)
         pipe = self._pipe
@@ -372,6 +401,75 @@ class Optimizer(torch.optim.Optimizer):
             raise failed
         self.steps += 1
         return loss
+
+    def _piece_views(self, grads: bool) -> None:
+        """The pieces of split parameters as views of their parameter's
+        memory now (made again when the parameter's memory was replaced), and
+        their gradients as views of its gradient (``grads``), or none."""
+        for c in self._chunks:
+            p = c.parent
+            if p is None:
+                continue
+            gi, view = c.params[0]
+            if view.data_ptr() != p.data_ptr() + c.lo * p.element_size() or view.dtype != p.dtype:
+                view = p.detach().view(-1)[c.lo : c.hi]
+                c.params = [(gi, view)]
+            g = p.grad if grads else None
+            view.grad = None if g is None else g.detach().reshape(-1)[c.lo : c.hi]
+
+    def _pieces(self) -> dict[int, list[_Chunk]]:
+        """The chunks of each split parameter (by id(parameter)), in order."""
+        out: dict[int, list[_Chunk]] = {}
+        for c in self._chunks:
+            if c.parent is not None:
+                out.setdefault(id(c.parent), []).append(c)
+        return out
+
+    def _join_pieces(self) -> None:
+        """Each split parameter's state as one entry of the wrapped optimizer's
+        ``state``, as the optimizer in memory has it: per-element tensors
+        (``exp_avg``, a master...) joined in order, the others (``step``)
+        from the first piece."""
+        state = self._inner.state
+        for pieces in self._pieces().values():
+            parent = pieces[0].parent
+            if parent is None:
+                continue
+            have = [c.params[0][1] in state for c in pieces]
+            if not any(have):
+                continue  # never stepped (no gradient yet): no state, as in memory
+            if not all(have):
+                # a step that failed part way through this parameter's pieces
+                raise StateLostError(
+                    f"the optimizer state of a {tuple(parent.shape)} parameter is partial: "
+                    f"{sum(have)} of its {len(pieces)} pieces have state (a step failed part way); "
+                    "load a state_dict to go on"
+                )
+            sts = [state.pop(c.params[0][1]) for c in pieces]
+            joined: dict[str, Any] = {}
+            for k, v in sts[0].items():
+                if isinstance(v, torch.Tensor) and v.numel() == pieces[0].hi - pieces[0].lo > 1:
+                    joined[k] = torch.cat([st[k].reshape(-1) for st in sts]).view(parent.shape)
+                else:
+                    joined[k] = v
+            state[parent] = joined
+
+    def _split_pieces(self) -> None:
+        """The inverse of _join_pieces: a split parameter's state (loaded, or
+        joined) into its pieces' entries, as views."""
+        state = self._inner.state
+        self._piece_views(grads=False)
+        for pieces in self._pieces().values():
+            parent = pieces[0].parent
+            st = None if parent is None else state.pop(parent, None)
+            if parent is None or st is None:
+                continue
+            n = parent.numel()
+            whole = {k for k, v in st.items() if isinstance(v, torch.Tensor) and v.numel() == n > 1}
+            for c in pieces:
+                state[c.params[0][1]] = {
+                    k: v.reshape(-1)[c.lo : c.hi] if k in whole else v for k, v in st.items()
+                }
 
     def _may_keep(self, c: _Chunk) -> bool:
         """Keep a chunk's state in memory (pinned) when all the state fits the
@@ -523,9 +621,11 @@ class Optimizer(torch.optim.Optimizer):
                 blob = blob.clone()  # the caller's copy must not change with later steps
             if blob is not None or c.extra:
                 self._install(c, blob)
+        self._join_pieces()
 
     def _scatter_state(self) -> None:
         """The wrapped optimizer's ``state`` out to the chunks (resident or written)."""
+        self._split_pieces()
         futs: list[tuple[_Chunk, concurrent.futures.Future[None]]] = []
         for c in self._chunks:
             if not any(p in self._inner.state for _, p in c.params):
