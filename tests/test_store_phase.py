@@ -63,7 +63,9 @@ async def test_put_to_nvme_from_unaligned_memory_is_placed_at_its_phase(tmp_path
         assert slab_bytes(tmp_path, end, tail) == bytes(tail)
         # read back: a fresh result (at the same phase: only the end blocks bounce),
         # into out= at the same phase, at another phase, and page-aligned
-        got = await s.get("v")
+        before = nvme.stats()["bounce_buffers"]
+        got = await s.get("v")  # read whole pages into a result at the same phase: no bounce
+        assert nvme.stats()["bounce_buffers"] == before, "the read bounced"
         assert np.array_equal(got, src) and got.ctypes.data % PAGE == phase
         for out_phase in (phase, 0, 512 if phase != 512 else 1024):
             out = at_phase(nbytes, out_phase, seed=1)
@@ -109,10 +111,14 @@ async def test_phased_values_promote_evict_compact_and_free_their_whole_span(tmp
         cap = s.stats()["nvme"]["used"]
         assert cap == sum(-(-(n + 64 * (i + 1)) // PAGE) * PAGE for i in range(6))
         # a get promotes into the host tier at the value's phase; evicting it back
-        # writes from there with no copy
+        # writes from there with no copy; neither the reads nor the writes bounce
+        before = nvme.stats()["bounce_buffers"]
         for i in range(6):
             got = await s.get(i)
             assert np.array_equal(got, vals[i])
+        got = await s.get_many(range(6))
+        assert all(np.array_equal(g, vals[i]) for i, g in enumerate(got))
+        assert nvme.stats()["bounce_buffers"] == before
         host = s._host
         promoted = [e for e in s._index.values() if e.host is not None]
         assert promoted

@@ -333,8 +333,21 @@ class NvmeTier:
 
     # -- transfers ---------------------------------------------------------------------
 
-    def _items(self, jobs: Sequence[tuple[Extents, Any]], write: bool) -> dict[int, list[tuple[Any, int]]]:
+    def _items(self, jobs: Sequence[tuple[Any, ...]], write: bool) -> dict[int, list[tuple[Any, int]]]:
         per: dict[int, list[tuple[Any, int]]] = {}
+        if not write and any(len(j) > 2 for j in jobs):
+            # (extents, span, True): a read into the page-aligned whole pages
+            # around a one-piece value (see NvmeTier.read): one aligned transfer
+            rest = []
+            for j in jobs:
+                ext = j[0]
+                if len(j) > 2 and j[2] and len(ext) == 1 and ext[0][0] >= 0:
+                    i, off, _boff, n = ext[0]
+                    base, sp = span(off, n)
+                    per.setdefault(i, []).append((j[1][: round_up(sp)], base))
+                else:
+                    rest.append(j[:2])
+            jobs = rest
         phased = [(raw, x) for ext, raw in jobs for x in ext if x[0] >= 0 and x[1] % ALIGN] if write else []
         if phased:
             # the partial first and last pages of phase-placed values, zero-filled
@@ -357,7 +370,7 @@ class NvmeTier:
                 per.setdefault(i, []).append((raw[boff : boff + ln], off))
         return per
 
-    async def _run(self, jobs: Sequence[tuple[Extents, Any]], write: bool) -> None:
+    async def _run(self, jobs: Sequence[tuple[Any, ...]], write: bool) -> None:
         per = self._items(jobs, write)
         futs = [
             (self._file_of(i).pwrite_many(items) if write else self._file_of(i).pread_many(items))
@@ -377,10 +390,15 @@ class NvmeTier:
         await self._run(jobs, True)
         self.stats["bytes_in"] += sum(n for ext, _ in jobs for *_, n in ext)
 
-    async def read(self, jobs: Sequence[tuple[Extents, Any]]) -> None:
-        """Fill each flat uint8 buffer from its extents: one batched request per slab."""
+    async def read(self, jobs: Sequence[tuple[Any, ...]]) -> None:
+        """Fill each flat uint8 buffer from its extents: one batched request per slab.
+
+        A job ``(extents, span, True)`` of a one-piece value gives instead the
+        page-aligned memory of the whole pages its extent spans (the value's
+        bytes then start ``phase_of(extents)`` bytes into it): read whole, no
+        bounce for a phase-placed value's partial end pages."""
         await self._run(jobs, False)
-        self.stats["bytes_out"] += sum(n for ext, _ in jobs for *_, n in ext)
+        self.stats["bytes_out"] += sum(n for ext, *_ in jobs for *_, n in ext)
 
     async def fsync(self) -> None:
         await asyncio.gather(*(s.file.fdatasync() for s in self.slabs))

@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import defaults, memory
 from ..exceptions import DeviceError
-from ._alloc import round_up
+from ._alloc import ALIGN, round_up
 from ._errors import (
     AttachError,
     StoreClosedError,
@@ -28,7 +28,18 @@ from ._journal import Journal, load_index
 from ._memtier import GpuTier, HostTier, MemTier
 from ._nvme import Extents, NvmeTier, phase_of, span
 from ._policy import Admission, EvictionPolicy, make_admission, make_policy
-from ._values import Meta, address, check_out, describe, flat_bytes, is_cuda, numel, result_like, view_as
+from ._values import (
+    Meta,
+    address,
+    check_out,
+    describe,
+    flat_bytes,
+    is_cuda,
+    numel,
+    result_like,
+    result_span,
+    view_as,
+)
 
 __all__ = ["TieredStore"]
 
@@ -92,6 +103,25 @@ def _copy_into(dst: Any, src: Any) -> None:
         np.copyto(dst, src)
     else:
         _as_torch(dst).copy_(_as_torch(src))
+
+
+def _read_job(ext: Any, raw: Any, span: Any, nbytes: int) -> tuple[Any, ...]:
+    """The NVMe tier's read job for a value's extents into ``raw`` (its bytes),
+    given ``span``: page-aligned whole pages that hold raw, or None. A
+    one-piece slab extent at raw's phase in the span is read whole into the
+    span (one aligned transfer, no bounce); else raw, in whole pages when it
+    has them."""
+    if (
+        span is not None
+        and len(ext) == 1
+        and ext[0][0] >= 0
+        and ext[0][1] % ALIGN == address(raw) - address(span)
+    ):
+        return (ext, span, True)
+    if span is not None and address(raw) == address(span):
+        raw = span  # a page-aligned result: whole pages (striped pieces)
+    whole = len(raw) >= round_up(nbytes)
+    return (ext, raw if whole else raw[:nbytes])
 
 
 def _sizes(value: int | str | None) -> int | None:
@@ -602,7 +632,9 @@ class TieredStore:
             elif e.disk is not None:
                 e.disk_refs += 1
                 try:
-                    await self._nvme.read([(e.disk, dst)])
+                    p = off % ALIGN
+                    whole = self._host.arena[off - p : off - p + round_up(p + e.nbytes)]
+                    await self._nvme.read([_read_job(e.disk, dst, whole, e.nbytes)])
                 finally:
                     self._unref_disk(e)
                 self._nvme.stats["hits"] += 1
@@ -939,14 +971,15 @@ class TieredStore:
     async def _get_entry(self, e: Entry, device: str, out: Any, deadline: float | None) -> Any:
         meta = e.meta
         cuda = device.startswith("cuda")
+        span = None  # the whole pages around a fresh CPU result (see NvmeTier.read)
         if out is not None:
             raw = check_out(out, meta)
             value = out
             cuda = is_cuda(out)
+        elif device == "cpu" and meta.nbytes:
+            value, raw, span = result_span(meta, phase_of(e.disk))
         else:
-            value, raw = result_like(
-                meta, device, aligned=True, nbytes=round_up(meta.nbytes), phase=phase_of(e.disk)
-            )
+            value, raw = result_like(meta, device, aligned=True, nbytes=round_up(meta.nbytes))
         if meta.nbytes == 0:
             return value
         # a hit: the copy in the tier asked for was there, or on its way (a
@@ -1011,8 +1044,7 @@ class TieredStore:
             if e.disk is not None:
                 e.disk_refs += 1
                 try:
-                    whole = len(raw) >= round_up(meta.nbytes)
-                    await self._nvme.read([(e.disk, raw if whole else raw[: meta.nbytes])])
+                    await self._nvme.read([_read_job(e.disk, raw, span, meta.nbytes)])
                 finally:
                     self._unref_disk(e)
                 self._nvme.stats["hits"] += 1
@@ -1085,6 +1117,7 @@ class TieredStore:
                 check_out(d, e.meta)
         res: list[Any] = [None] * len(ks)
         cold: list[tuple[int, Entry, Any, Any]] = []
+        jobs: list[tuple[Any, ...]] = []  # their NVMe reads
         warm: list[int] = []
         admitted: list[tuple[Entry, Any]] = []
         for i, e in enumerate(entries):
@@ -1100,13 +1133,13 @@ class TieredStore:
             ):
                 # only on NVMe: read straight into the result with the others
                 # (one batched request per slab), promote afterwards
+                span = None
                 if d is None:
-                    value, raw = result_like(
-                        e.meta, "cpu", aligned=True, nbytes=round_up(e.nbytes), phase=phase_of(e.disk)
-                    )
+                    value, raw, span = result_span(e.meta, phase_of(e.disk))
                 else:
                     value, raw = d, check_out(d, e.meta)
                 cold.append((i, e, value, raw))
+                jobs.append(_read_job(e.disk, raw, span, e.nbytes))
                 if 0 < e.nbytes <= self._host.capacity and self.admission.admit(e.key, e.nbytes):
                     admitted.append((e, raw))
             else:
@@ -1115,7 +1148,7 @@ class TieredStore:
             e.disk_refs += 1
         try:
             if cold:
-                await self._nvme.read([(e.disk, raw) for _, e, _, raw in cold])  # type: ignore[misc]
+                await self._nvme.read(jobs)
         finally:
             for _, e, _, _ in cold:
                 self._unref_disk(e)

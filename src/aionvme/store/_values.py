@@ -140,6 +140,25 @@ def _aligned_torch(n: int, phase: int = 0) -> Any:
     return raw[off : off + n]
 
 
+def result_span(meta: Meta, phase: int) -> tuple[Any, Any, Any]:
+    """(value, raw, span) for a fresh CPU result of a value whose extent on
+    NVMe starts ``phase`` bytes into a page: ``span`` the page-aligned whole
+    pages around it (``raw`` starts ``phase`` bytes into it), so one O_DIRECT
+    read of the extent's pages fills it with no bounce."""
+    n = meta.nbytes
+    whole = -(-(phase + n) // PAGE) * PAGE
+    if meta.kind == "numpy":
+        big = np.empty(whole + PAGE, np.uint8)
+        a = -big.ctypes.data % PAGE
+    else:
+        torch = _torch()
+        big = torch.empty(whole + PAGE, dtype=torch.uint8)
+        a = -big.data_ptr() % PAGE
+    span = big[a : a + whole]
+    raw = span[phase : phase + n]
+    return view_as(raw, meta), raw, span
+
+
 def address(buf: Any) -> int:
     """The address of a host buffer's first byte (a numpy array or a CPU
     tensor), 0 for anything else (a CUDA tensor)."""
