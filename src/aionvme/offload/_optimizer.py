@@ -243,7 +243,7 @@ class Optimizer(torch.optim.Optimizer):
         self.chunk_size = parse_size(chunk_size) if chunk_size is not None else max(1, default_chunk)
         self._chunks: list[_Chunk] = []
         self._plan: list[int] | None = None  # residency sums: state (estimated), largest chunk, resident
-        self._chunked_groups: list[list[int]] = []
+        self._chunked_groups: list[list[tuple[int, int]]] = []
         # Counts the state bytes in memory (peak in stats()): resident chunks and the
         # pipeline's buffers. The pipeline keeps it within the budget by waiting.
         self.ledger = Ledger(1 << 62)
@@ -268,7 +268,8 @@ class Optimizer(torch.optim.Optimizer):
     def _rechunk(self) -> None:
         """Chunks of ~chunk_size parameter bytes per group (made again when the
         groups change; state already stored is moved to the new chunks)."""
-        shape = [[id(p) for p in g["params"]] for g in self.param_groups]
+        # sizes too: a resized parameter is cut into pieces again
+        shape = [[(id(p), p.numel()) for p in g["params"]] for g in self.param_groups]
         if shape == self._chunked_groups:
             return
         if self._chunks:
@@ -406,6 +407,7 @@ class Optimizer(torch.optim.Optimizer):
         """The pieces of split parameters as views of their parameter's
         memory now (made again when the parameter's memory was replaced), and
         their gradients as views of its gradient (``grads``), or none."""
+        flat: dict[int, torch.Tensor | None] = {}  # each parameter's flat gradient, made once
         for c in self._chunks:
             p = c.parent
             if p is None:
@@ -414,8 +416,11 @@ class Optimizer(torch.optim.Optimizer):
             if view.data_ptr() != p.data_ptr() + c.lo * p.element_size() or view.dtype != p.dtype:
                 view = p.detach().view(-1)[c.lo : c.hi]
                 c.params = [(gi, view)]
-            g = p.grad if grads else None
-            view.grad = None if g is None else g.detach().reshape(-1)[c.lo : c.hi]
+            if id(p) not in flat:
+                g = p.grad if grads else None
+                flat[id(p)] = None if g is None else g.detach().reshape(-1)  # a copy only if not contiguous
+            g = flat[id(p)]
+            view.grad = None if g is None else g[c.lo : c.hi]
 
     def _pieces(self) -> dict[int, list[_Chunk]]:
         """The chunks of each split parameter (by id(parameter)), in order."""

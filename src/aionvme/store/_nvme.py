@@ -11,7 +11,10 @@ A value of one piece may instead be placed at a *phase*: its bytes start
 had in its page when it was written (a torch tensor sits 64 bytes past a page).
 The whole pages of that memory then go to and from the file with no copy; only
 the partial pages at its two ends are copied (writes: into zero-filled pages,
-no read-modify-write; reads: the engine's bounce of the end blocks). Such an
+no read-modify-write; reads into memory the store allocates: the whole pages
+at once, in memory at the same phase; reads into a caller's ``out=``: the
+engine's bounce of the end blocks, none other when ``out=`` has the same
+phase). Such an
 extent is the allocated span ``[offset - phase, round_up(offset + nbytes))``,
 see :func:`span`.
 
