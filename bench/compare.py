@@ -3,7 +3,9 @@
 
 For each repetition every tool runs once, in turn, on the same files, so a
 ratio compares figures taken minutes apart on the same machine, not on
-different days. fio (O_DIRECT, libaio and io_uring) is the device's practical
+different days (the sequential writers each after a sync and a 1 s pause, in
+the reverse order every other repetition: on this kind of disk whoever writes
+first after a pause gains). fio (O_DIRECT, libaio and io_uring) is the device's practical
 ceiling: for sequential reads and writes a small bs x iodepth sweep, the
 best point of each repetition. Reported figures are medians over repetitions; ratios are
 computed per repetition, then their median is taken.
@@ -52,6 +54,7 @@ from aionvme.bench.peers import fio
 from aionvme.defaults import parse_size
 
 REQ = 64 << 20
+WRITE_PAUSE = 1.0  # seconds of quiet before each sequential writer
 Rep = dict[str, B.Result]
 DS_PREFIX = "deepspeed "
 
@@ -235,7 +238,7 @@ def deepspeed_rows(args: argparse.Namespace, res: Rep, points: list[B.Result], o
             res[f"{workload}/{DS_PREFIX}aio_handle {kind} (best of {n})"] = bad
 
 
-def one_repetition(args: argparse.Namespace, d: str, points: list[B.Result]) -> Rep:
+def one_repetition(args: argparse.Namespace, d: str, points: list[B.Result], rep: int = 0) -> Rep:
     size, ops, qd = args.size, args.ops, args.iodepth
     path = os.path.join(d, "read.bin")
     wpath = os.path.join(d, "write.bin")
@@ -273,19 +276,40 @@ def one_repetition(args: argparse.Namespace, d: str, points: list[B.Result]) -> 
     res["seqread/numpy.fromfile (buffered)"] = numpy_fromfile(path)
 
     # sequential write (fresh file + fsync) -----------------------------------------------
+    # Each writer starts after a sync and a pause (this disk writes faster after
+    # a pause, and a writer right after another pays for its write-back), and
+    # every other repetition runs them in the reverse order.
+    steps: list[Callable[[], None]] = []
     if have_fio:
         # bytes in flight decide this disk's write speed (measured: bs 1M QD 32
         # 1.4 GB/s, bs 64M QD 32 2.4 GB/s): the best point is the ceiling
         wgrid = [("1M", 32)] if args.quick else [("1M", 32), ("8M", 8), ("8M", 32), ("64M", 4), ("64M", 16)]
         for bs, q in wgrid:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(wpath)
-            key = f"seqwrite/fio libaio bs={bs} qd={q}"
-            res[key] = fio(wpath, "write", bs, q, "libaio", size, end_fsync=1)
-    res["seqwrite/aionvme (uvloop)"] = _ours(_run(lambda: B.seqwrite(wpath, size), "uvloop"))
-    res["seqwrite/threadpool pwritev O_DIRECT"] = _run(lambda: threadpool_seqwrite(wpath, size), "asyncio")
+
+            def fio_point(bs: str = bs, q: int = q) -> None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(wpath)
+                res[f"seqwrite/fio libaio bs={bs} qd={q}"] = fio(
+                    wpath, "write", bs, q, "libaio", size, end_fsync=1
+                )
+
+            steps.append(fio_point)
+
+    def ours() -> None:
+        res["seqwrite/aionvme (uvloop)"] = _ours(_run(lambda: B.seqwrite(wpath, size), "uvloop"))
+
+    def threadpool() -> None:
+        res["seqwrite/threadpool pwritev O_DIRECT"] = _run(
+            lambda: threadpool_seqwrite(wpath, size), "asyncio"
+        )
+
+    steps += [ours, threadpool]
     if args.deepspeed:
-        deepspeed_rows(args, res, points, "write", os.path.join(d, "ds-write.bin"))
+        steps.append(lambda: deepspeed_rows(args, res, points, "write", os.path.join(d, "ds-write.bin")))
+    for step in steps if rep % 2 == 0 else steps[::-1]:
+        os.sync()
+        time.sleep(WRITE_PAUSE)
+        step()
 
     # 4 KiB random reads -----------------------------------------------------------------------
     if have_fio:
@@ -469,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     with B.scratch_dir(args.dir) as d:
         for i in range(args.repeat):
             t0 = time.perf_counter()
-            reps.append(one_repetition(args, d, points))
+            reps.append(one_repetition(args, d, points, len(reps)))
             print(f"repetition {i + 1}/{args.repeat}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     rows = summarize(reps)
     header = (
