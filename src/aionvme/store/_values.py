@@ -98,19 +98,16 @@ def view_as(raw: Any, meta: Meta) -> Any:
     return t.view(torch_dtype(meta.dtype)).reshape(meta.shape)
 
 
-def result_like(
-    meta: Meta, device: str, aligned: bool, nbytes: int | None = None, phase: int = 0
-) -> tuple[Any, Any]:
+def result_like(meta: Meta, device: str, aligned: bool, nbytes: int | None = None) -> tuple[Any, Any]:
     """(value, raw) for a fresh result: ``raw`` a 1-D uint8 buffer of at least
     ``nbytes`` (default meta.nbytes) bytes, ``value`` the meta-shaped view of it.
-    ``aligned``: host memory ``phase`` bytes past a page boundary (the phase of
-    the value's extent: O_DIRECT reads land in it directly)."""
+    ``aligned``: page-aligned host memory (O_DIRECT reads land in it directly)."""
     n = meta.nbytes if nbytes is None else nbytes
     dev = str(device)
     if meta.kind == "numpy":
         if dev != "cpu":
             raise DeviceError(f"a numpy value can only be returned on 'cpu', not {device!r}")
-        raw = _aligned_numpy(n, phase) if aligned else np.empty(n, np.uint8)
+        raw = _aligned_numpy(n) if aligned else np.empty(n, np.uint8)
         return view_as(raw, meta), raw
     torch = _torch()
     if dev.startswith("cuda"):
@@ -118,7 +115,7 @@ def result_like(
             raise DeviceError(f"device={device!r} but CUDA is not available")
         raw = torch.empty(n, dtype=torch.uint8, device=dev)
     elif dev == "cpu":
-        raw = _aligned_torch(n, phase) if aligned else torch.empty(n, dtype=torch.uint8)
+        raw = _aligned_torch(n) if aligned else torch.empty(n, dtype=torch.uint8)
     else:
         raise DeviceError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
     return view_as(raw, meta), raw
@@ -127,16 +124,16 @@ def result_like(
 # Results are page-aligned views into slightly larger malloc'd blocks: as fast
 # to allocate as np.empty (glibc reuses its mmap'd blocks; a fresh mmap per
 # result costs page faults on every call) and on the zero-copy O_DIRECT path.
-def _aligned_numpy(n: int, phase: int = 0) -> Any:
+def _aligned_numpy(n: int) -> Any:
     raw = np.empty(n + PAGE, np.uint8)
-    off = (phase - raw.ctypes.data) % PAGE
+    off = -raw.ctypes.data % PAGE
     return raw[off : off + n]
 
 
-def _aligned_torch(n: int, phase: int = 0) -> Any:
+def _aligned_torch(n: int) -> Any:
     torch = _torch()
     raw = torch.empty(n + PAGE, dtype=torch.uint8)
-    off = (phase - raw.data_ptr()) % PAGE
+    off = -raw.data_ptr() % PAGE
     return raw[off : off + n]
 
 
@@ -147,14 +144,7 @@ def result_span(meta: Meta, phase: int) -> tuple[Any, Any, Any]:
     read of the extent's pages fills it with no bounce."""
     n = meta.nbytes
     whole = -(-(phase + n) // PAGE) * PAGE
-    if meta.kind == "numpy":
-        big = np.empty(whole + PAGE, np.uint8)
-        a = -big.ctypes.data % PAGE
-    else:
-        torch = _torch()
-        big = torch.empty(whole + PAGE, dtype=torch.uint8)
-        a = -big.data_ptr() % PAGE
-    span = big[a : a + whole]
+    span = _aligned_numpy(whole) if meta.kind == "numpy" else _aligned_torch(whole)
     raw = span[phase : phase + n]
     return view_as(raw, meta), raw, span
 
