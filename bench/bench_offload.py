@@ -1,7 +1,7 @@
 """Models bigger than memory: layer streaming and optimizer state on NVMe.
 
     python3 bench/bench_offload.py                                   # ~400 MB model, 100 MB budget
-    python3 bench/bench_offload.py --model-size 6G --budget 1.5G --opt-params 500M --opt-budget 1G
+    python3 bench/bench_offload.py --model-size 6G --budget 1536M --opt-params 500M --opt-budget 1G
     python3 bench/bench_offload.py --plot timeline.png --json
 
 Streaming: a transformers Llama-style model from a config with random weights
@@ -94,13 +94,30 @@ def fio_sweep(path: str, size: int, ours: tuple[str, int]) -> dict[str, Any]:
     }
 
 
-def llama_config(total: int) -> Any:
-    """A Llama config of about ``total`` fp32 bytes, whose embedding fits a quarter of it."""
+# (hidden, intermediate, vocab) of the Llama-style models built here, smallest first
+_SHAPES = ((512, 1408, 8192), (1024, 2816, 8192), (2048, 5632, 16384), (4096, 11008, 32000))
+
+
+def llama_config(total: int, budget: int | None = None) -> Any:
+    """A Llama config of about ``total`` fp32 bytes, whose embedding fits a quarter of it.
+
+    With ``budget``: the widest shape whose decoder layer is at most a sixth of
+    it, as in issue 15's example (a 6 GB model under a 1.5 GB budget has ~200
+    MB layers: seven fit). A layer of half the budget (the old default, 49 MiB
+    layers under 100 MiB) leaves no room to read the next layer while one is
+    in use, so no streamer can overlap reads with compute there."""
     import transformers
 
-    hidden, inter, vocab = (1024, 2816, 8192) if total < (2 << 30) else (2048, 5632, 16384)
+    def layer_bytes(hidden: int, inter: int) -> int:
+        return 4 * (4 * hidden * hidden + 3 * hidden * inter + 2 * hidden)
+
+    if budget is None:
+        hidden, inter, vocab = _SHAPES[1] if total < (2 << 30) else _SHAPES[2]
+    else:
+        fits = [x for x in _SHAPES if layer_bytes(x[0], x[1]) * 6 <= budget and 2 * 4 * x[2] * x[0] * 4 <= total]
+        hidden, inter, vocab = fits[-1] if fits else _SHAPES[0]
     heads = hidden // 64
-    layer = 4 * (4 * hidden * hidden + 3 * hidden * inter + 2 * hidden)
+    layer = layer_bytes(hidden, inter)
     embeds = 2 * 4 * vocab * hidden
     layers = max(2, round((total - embeds) / layer))
     return transformers.LlamaConfig(
@@ -121,7 +138,7 @@ def bench_stream(args: argparse.Namespace, work: str) -> dict[str, Any]:
     import aionvme as nvme
 
     size, budget = parse_size(args.model_size), parse_size(args.budget)
-    cfg = llama_config(size)
+    cfg = llama_config(size, budget)
     torch.manual_seed(0)
     ref = transformers.LlamaForCausalLM(cfg).eval()
     nbytes = sum(p.numel() * p.element_size() for p in ref.parameters())
