@@ -114,7 +114,9 @@ def llama_config(total: int, budget: int | None = None) -> Any:
     if budget is None:
         hidden, inter, vocab = _SHAPES[1] if total < (2 << 30) else _SHAPES[2]
     else:
-        fits = [x for x in _SHAPES if layer_bytes(x[0], x[1]) * 6 <= budget and 2 * 4 * x[2] * x[0] * 4 <= total]
+        fits = [
+            x for x in _SHAPES if layer_bytes(x[0], x[1]) * 6 <= budget and 2 * 4 * x[2] * x[0] * 4 <= total
+        ]
         hidden, inter, vocab = fits[-1] if fits else _SHAPES[0]
     heads = hidden // 64
     layer = layer_bytes(hidden, inter)
