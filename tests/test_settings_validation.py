@@ -28,6 +28,8 @@ BAD_BLOCK_SIZES: list[tuple[Any, type[Exception]]] = [
     (1000, InvalidSettingError),  # not a multiple of 4096
     ("1K", InvalidSettingError),
     ("lots", InvalidSettingError),
+    ("0.3K", InvalidSettingError),  # 307.2 bytes
+    ("1.5", InvalidSettingError),  # 1.5 bytes
     (1.5, SettingTypeError),
     (True, SettingTypeError),
     ([4096], SettingTypeError),
@@ -99,6 +101,27 @@ async def test_every_entry_point_refuses_the_same_parallelism(make_file):
         _check(lambda v=value: Handle(intra_op_parallelism=v), exc, f"Handle {w}")
         _check(lambda v=value: defaults.set(max_inflight=v), exc, f"defaults.set {w}")
         _check(lambda v=value: ds.aio_handle(intra_op_parallelism=v), exc, f"aio_handle {w}")
+
+
+async def test_sizes_take_fractions_of_a_unit(tmp_path):
+    """'1.5G' is what people write for a budget or a tier: it is 1.5 x 2**30
+    bytes wherever a size is taken; a fraction that is no whole number of
+    bytes is refused, naming the value."""
+    assert defaults.parse_size("1.5G") == 3 << 29
+    assert defaults.parse_size("0.5K") == 512
+    assert defaults.parse_size(" 2.25 MiB ") == 9 << 18
+    with pytest.raises(InvalidSettingError, match=r"'0\.3K' is not a whole number of bytes"):
+        defaults.parse_size("0.3K")
+    for bad in ("1.", ".5M", "1e3", "1,5G"):
+        with pytest.raises(InvalidSettingError, match="not a size"):
+            defaults.parse_size(bad)
+    with defaults.set(block_size="0.5M"):
+        assert defaults.get("block_size") == 512 << 10
+    async with nvme.TieredStore(str(tmp_path / "s"), host="1.5M") as s:
+        assert s.stats()["host"]["capacity"] == 3 << 19
+        v = np.arange(1 << 18, dtype=np.uint8)
+        await s.put("k", v)
+        assert np.array_equal(await s.get("k"), v)
 
 
 def test_every_entry_point_refuses_the_same_queue_depths():

@@ -9,7 +9,8 @@ import and changed with :func:`set`, which doubles as a context manager::
 name           env                     meaning
 ============== ======================= ========================================
 block_size     AIONVME_BLOCK_SIZE      bytes per chunk a request is split into
-                                       (``"1M"``, ``"4MiB"``, ``65536``)
+                                       (``"1M"``, ``"4MiB"``, ``"1.5M"``,
+                                       ``65536``)
 queue_depth    AIONVME_QUEUE_DEPTH     chunks in flight per engine (one engine
                                        per event loop / per thread for sync I/O)
 threads        AIONVME_THREADS         worker threads per engine (buffered I/O,
@@ -70,6 +71,7 @@ import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
+from fractions import Fraction
 from typing import Any
 
 from .exceptions import InvalidSettingError, SettingTypeError
@@ -111,7 +113,10 @@ ALIASES = {"intra_op_parallelism": "max_inflight", "parallelism": "max_inflight"
 
 
 def parse_size(value: int | str, name: str = "size") -> int:
-    """``4096``, ``"64K"``, ``"1M"``, ``"1MiB"``, ``"2g"`` -> bytes.
+    """``4096``, ``"64K"``, ``"1M"``, ``"1MiB"``, ``"2g"``, ``"1.5G"`` -> bytes.
+
+    Units are powers of 1024. A fraction (``"1.5G"``, ``"0.5K"``) must come to a
+    whole number of bytes.
 
     Raises :class:`~aionvme.exceptions.SettingTypeError` for a bool, float or
     other non-int, non-str value, :class:`~aionvme.exceptions.InvalidSettingError`
@@ -121,12 +126,17 @@ def parse_size(value: int | str, name: str = "size") -> int:
         raise InvalidSettingError.of_type(name, value, "an int or a string like '1M'")
     if isinstance(value, int):
         return value
-    m = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)(i?b)?\s*", value, re.IGNORECASE)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*", value, re.IGNORECASE)
     if not m:
         raise InvalidSettingError(
-            f"{name}: not a size: {value!r} (examples: 4096, '64K', '1M')", name=name, value=value
+            f"{name}: not a size: {value!r} (examples: 4096, '64K', '1M', '1.5G')", name=name, value=value
         )
-    return int(m.group(1)) * _UNITS[m.group(2).lower()]
+    n = Fraction(m.group(1)) * _UNITS[m.group(2).lower()]
+    if n.denominator != 1:
+        raise InvalidSettingError(
+            f"{name}: {value!r} is not a whole number of bytes ({float(n)})", name=name, value=value
+        )
+    return int(n)
 
 
 def _parse_int(name: str, value: Any) -> int:
