@@ -1,4 +1,4 @@
-"""Property test: random programs of concurrent TieredStore calls (put,
+"""Property test: random programs of concurrent TieredStore calls (put, put(to="nvme"),
 put_many, get, get_many, hold, evict, prefetch, delete on a few keys, each
 round's calls running at once) against an in-memory model, on asyncio and
 uvloop, with every policy, both admission rules, one or two directories, a
@@ -36,6 +36,7 @@ keys = st.sampled_from(KEYS)
 values = st.tuples(st.integers(0, 2**16), st.sampled_from(SIZES), st.sampled_from(["numpy", "torch"]))
 ops = st.one_of(
     st.tuples(st.just("put"), keys, values),
+    st.tuples(st.just("put_nvme"), keys, values),  # a swap-out: may overwrite the old value in place
     st.tuples(st.just("put_many"), st.lists(keys, min_size=1, max_size=3, unique=True), values),
     st.tuples(st.just("get"), keys, st.none()),
     st.tuples(st.just("get_many"), st.lists(keys, min_size=1, max_size=3), st.none()),
@@ -68,7 +69,7 @@ async def _round(store: TieredStore, model: dict, round_ops) -> None:
     states: dict[str, list] = {k: [model.get(k)] for k in KEYS}
     expect_delete_error = []
     for op, key, spec in round_ops:
-        if op == "put":
+        if op in ("put", "put_nvme"):
             states[key].append(spec)
         elif op == "put_many":
             for k in key:
@@ -83,6 +84,8 @@ async def _round(store: TieredStore, model: dict, round_ops) -> None:
     async def run(op, key, spec):
         if op == "put":
             await store.put(key, make_value(*spec))
+        elif op == "put_nvme":
+            await store.put(key, make_value(*spec), to="nvme")
         elif op == "put_many":
             await store.put_many({k: make_value(*spec) for k in key})
         elif op == "delete":
@@ -237,7 +240,9 @@ async def test_many_coroutines_on_few_keys(tmp_path, persist, phased):
     for _ in range(4):
         rnd = []
         for _ in range(50):
-            op = ["put", "get", "get", "evict", "prefetch", "hold", "delete", "get_many"][rng.integers(0, 8)]
+            op = ["put", "get", "get", "evict", "prefetch", "hold", "delete", "get_many", "put_nvme"][
+                rng.integers(0, 9)
+            ]
             k = KEYS[rng.integers(0, 3)]
             spec = (
                 int(rng.integers(0, 1000)),

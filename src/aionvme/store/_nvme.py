@@ -231,6 +231,15 @@ class NvmeTier:
         sized for its values too small for them.
         Raises StoreFullError (ENOSPC) when neither works.
         """
+        phase = self.placement_phase(nbytes, phase)
+        if phase:
+            ((i, off, _, _),) = await self._allocate(nbytes + phase)
+            return [(i, off + phase, 0, nbytes)]
+        return await self._allocate(nbytes)
+
+    def placement_phase(self, nbytes: int, phase: int) -> int:
+        """The phase :meth:`allocate` gives a value of nbytes written from
+        memory at ``phase`` (``address % 4096``): that phase, or 0."""
         phase %= ALIGN
         if (
             phase
@@ -239,9 +248,8 @@ class NvmeTier:
             and self.capacity_limit is None
             and len(self.pieces(nbytes + phase)) == 1
         ):
-            ((i, off, _, _),) = await self._allocate(nbytes + phase)
-            return [(i, off + phase, 0, nbytes)]
-        return await self._allocate(nbytes)
+            return phase
+        return 0
 
     async def _allocate(self, nbytes: int) -> Extents:
         ext = self._try_alloc(nbytes)

@@ -8,7 +8,7 @@ import concurrent.futures
 import contextlib
 import os
 import warnings
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -70,6 +70,7 @@ class Entry:
         "meta",
         "moving",
         "refs",
+        "replaced",
     )
 
     def __init__(self, key: Hashable, meta: Meta) -> None:
@@ -85,6 +86,10 @@ class Entry:
         self.gpu_loading: asyncio.Task[None] | None = None  # colder -> GPU
         self.moving = False  # host -> NVMe write in flight
         self.dead = False  # replaced or deleted
+        # set while a put overwrites this entry's NVMe extents in place (see
+        # TieredStore._reusable): done when the index holds the new entry (or
+        # the key is gone); readers that find no copy wait for it
+        self.replaced: asyncio.Future[None] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -103,6 +108,24 @@ def _copy_into(dst: Any, src: Any) -> None:
         np.copyto(dst, src)
     else:
         _as_torch(dst).copy_(_as_torch(src))
+
+
+async def _to_the_end(aw: Awaitable[Any]) -> BaseException | None:
+    """Await ``aw`` to its end even when cancelled meanwhile (a write over a
+    value's only copy must not be abandoned half way); returns the
+    cancellation to re-raise once the caller has taken the result, or None.
+    The awaitable's own error is raised."""
+    t = asyncio.ensure_future(aw)
+    cancelled: BaseException | None = None
+    while not t.done():
+        try:
+            await asyncio.shield(t)
+        except asyncio.CancelledError as c:
+            if t.cancelled():
+                raise
+            cancelled = c
+    t.result()  # its own error, if it failed
+    return cancelled
 
 
 def _read_job(ext: Any, raw: Any, span: Any, nbytes: int) -> tuple[Any, ...]:
@@ -698,7 +721,13 @@ class TieredStore:
             colder. 'host': host memory even for a CUDA tensor. 'nvme': written
             straight from ``value`` to the NVMe tier, with no copy in memory
             and nothing evicted (a swap-out of a value known to be cold); it
-            returns once the bytes are written.
+            returns once the bytes are written. In a scratch store
+            (persist=False) a swap-out of a key whose old value has the same
+            size and is not in use overwrites the old value's pages in place,
+            so a swap loop rewrites the same blocks every step: reads of the
+            key meanwhile wait for the new value; cancelling such a put
+            finishes the write first (the new value stays) and an I/O error
+            removes the key (its old bytes were partly overwritten).
 
         Raises
         ------
@@ -720,6 +749,8 @@ class TieredStore:
                     raise StoreKeyTypeError(f"a persistent store takes str keys, got {type(k).__name__}")
         metas = {k: describe(v) for k, v in items.items()}
         deadline = self._deadline(timeout)
+        reused: list[Entry] = []  # previous entries whose extents this put overwrites
+        cancelled: BaseException | None = None
         async with self._writer(*items):
             new: list[Entry] = []
             try:
@@ -761,9 +792,25 @@ class TieredStore:
                         bypass.append((e, src))
                 # straight to NVMe: values no memory tier can take
                 for e, src in bypass:
-                    e.disk = await self._nvme.allocate(e.nbytes, address(src))
+                    reuse = self._reusable(e, src)
+                    if reuse is None:
+                        e.disk = await self._nvme.allocate(e.nbytes, address(src))
+                        continue
+                    # overwrite the previous value's pages in place: its
+                    # readers wait for this put (see Entry.replaced)
+                    prev, e.disk = reuse
+                    self._drop_host(prev)
+                    self._drop_gpu(prev)
+                    prev.disk = None
+                    prev.dead = True
+                    prev.replaced = asyncio.get_running_loop().create_future()
+                    reused.append(prev)
                 if bypass:
-                    await self._nvme.write([(e.disk, src) for e, src in bypass])  # type: ignore[misc]
+                    jobs = [(e.disk, src) for e, src in bypass]
+                    if reused:
+                        cancelled = await _to_the_end(self._nvme.write(jobs))  # type: ignore[arg-type]
+                    else:
+                        await self._nvme.write(jobs)  # type: ignore[arg-type]
                 if self.persist:
                     await self._write_through(new)
                     if bypass or any(e.nbytes for e in new):
@@ -772,13 +819,59 @@ class TieredStore:
             except BaseException:
                 for e in new:
                     self._retire(e)
+                for prev in reused:  # its bytes were being overwritten: the key is gone
+                    if self._index.get(prev.key) is prev:
+                        del self._index[prev.key]
+                    self._retire(prev)
+                    prev.replaced.set_result(None)  # type: ignore[union-attr]
                 raise
             for e in new:
                 old = self._index.get(e.key)
                 self._index[e.key] = e
                 if old is not None:
                     self._retire(old)
+            for prev in reused:
+                prev.replaced.set_result(None)  # type: ignore[union-attr]
         self._kick_cleaner()
+        if cancelled is not None:
+            raise cancelled
+
+    def _reusable(self, e: Entry, src: Any) -> tuple[Entry, Extents] | None:
+        """The entry ``e`` replaces and the extents ``e`` takes over, if ``e``
+        may overwrite the old value's NVMe pages in place: a scratch store
+        (persist=False: no crash promise about the old value), a previous
+        value of the same size that nobody reads, holds, loads or moves, whose
+        whole pages hold ``e`` at the phase it would get (its memory copies
+        are dropped: they would only be evicted to new space later). A swap
+        loop then rewrites the same blocks every step (overwriting a written
+        block is more than twice as fast as a first write here, see
+        bench/write_space.py) and the slab stays the size of the data."""
+        if self.persist:
+            return None
+        prev = self._index.get(e.key)
+        if (
+            prev is None
+            or prev.dead
+            or prev.disk is None
+            or prev.nbytes != e.nbytes
+            or prev.refs
+            or prev.gpu_refs
+            or prev.disk_refs
+            or prev.moving
+            or prev.loading is not None
+            or prev.gpu_loading is not None
+            or any(x[0] < 0 for x in prev.disk)
+        ):
+            return None
+        want = self._nvme.placement_phase(e.nbytes, address(src))
+        if len(prev.disk) != 1:
+            return (prev, prev.disk) if want == 0 else None
+        # one piece: the same whole pages, at the new phase where that needs no other page
+        i, off, _, n = prev.disk[0]
+        p = off % ALIGN
+        if round_up(p + n) != round_up(want + n):
+            return None
+        return prev, [(i, off - p + want, 0, n)]
 
     # -- write-back cleaning ------------------------------------------------------------
 
@@ -1051,6 +1144,8 @@ class TieredStore:
                 return value
             break
         # every copy went away under us: the key was deleted or replaced
+        if e.replaced is not None:
+            await asyncio.shield(e.replaced)  # a put overwriting it in place
         cur = self._index.get(e.key)
         if cur is None:
             raise StoreKeyError(e.key)
@@ -1648,6 +1743,9 @@ class _Hold:
                 continue
             if e.nbytes > s._host.capacity:
                 raise StoreFullError(f"{self.key!r} ({e.nbytes} bytes) is larger than the host tier")
+            if e.replaced is not None:
+                await asyncio.shield(e.replaced)  # a put overwriting it in place
+                continue
             if e.host is None:
                 await asyncio.shield(s._start_load(e, deadline))
             if e.host is not None and not e.dead:
