@@ -248,6 +248,9 @@ class TieredStore:
         self._index: dict[Hashable, Entry] = {}
         self._klocks: dict[Hashable, collections.deque[asyncio.Future[None]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        # loads started by a get or prefetch that do not wait for room: a hold that
+        # joins one and sees it fail starts its own
+        self._nowait_loads: set[asyncio.Task[None]] = set()
         self._compact_lock: asyncio.Lock | None = None
         self._cleaners: set[asyncio.Task[None]] = set()  # write-behind batches in flight
         self._clean_bytes = 0  # bytes they write
@@ -623,9 +626,12 @@ class TieredStore:
         else:
             e.loading = t
         self._tasks.add(t)
+        if not wait:
+            self._nowait_loads.add(t)
 
         def done(task: asyncio.Task[None]) -> None:
             self._tasks.discard(task)
+            self._nowait_loads.discard(task)
             if gpu:
                 if e.gpu_loading is task:
                     e.gpu_loading = None
@@ -1173,6 +1179,20 @@ class TieredStore:
         finally:
             if off >= 0:
                 self._host.free(off, e.nbytes)
+
+    async def _join_load(self, task: asyncio.Task[None]) -> bool:
+        """Wait for a load a hold needs: False if it was someone else's load
+        that would not wait for room and found none (the hold then starts
+        its own, which waits); its own load's errors are raised."""
+        nowait = task in self._nowait_loads
+        try:
+            await asyncio.shield(task)
+        except (StoreFullError, StoreTimeoutError):
+            if nowait:
+                await asyncio.sleep(0)  # its done callback has run: the next _start_load is ours
+                return False
+            raise
+        return True
 
     async def _await_load(self, task: asyncio.Task[None]) -> bool:
         """Wait for a load; False if it found no room (the caller reads directly instead)."""
@@ -1733,8 +1753,8 @@ class _Hold:
                     raise DeviceError("hold(device='cuda') on a store without a GPU tier (gpu=None)")
                 if e.nbytes > s._gpu.capacity:
                     raise StoreFullError(f"{self.key!r} ({e.nbytes} bytes) is larger than the GPU tier")
-                if e.gpu is None:
-                    await asyncio.shield(s._start_load(e, deadline, gpu=True))
+                if e.gpu is None and not await s._join_load(s._start_load(e, deadline, gpu=True)):
+                    continue
                 if e.gpu is not None and not e.dead:
                     e.gpu_refs += 1
                     self._entry = e
@@ -1746,8 +1766,8 @@ class _Hold:
             if e.replaced is not None:
                 await asyncio.shield(e.replaced)  # a put overwriting it in place
                 continue
-            if e.host is None:
-                await asyncio.shield(s._start_load(e, deadline))
+            if e.host is None and not await s._join_load(s._start_load(e, deadline)):
+                continue
             if e.host is not None and not e.dead:
                 e.refs += 1
                 self._entry = e
