@@ -162,3 +162,31 @@ async def test_a_storm_of_swap_outs_and_reads_on_few_keys(tmp_path, phased):
                 await _round(store, model, rnd)
                 await _check(store, model)
     assert sum(hits) >= 10, f"only {sum(hits)} of {len(hits)} swap-outs overwrote in place"
+
+
+async def test_a_put_cancelled_before_its_write_leaves_the_old_value(tmp_path, monkeypatch):
+    """The old pages are taken only once every other value of the batch has
+    its space: a cancellation while the batch still allocates changes nothing."""
+    size = 8 * MiB
+    async with TieredStore(tmp_path, host=MiB) as s:
+        await s.put("k", np.full(size, 1, np.uint8), to="nvme")
+        gate = asyncio.Event()
+        allocate = s._nvme.allocate
+
+        async def slow_allocate(nbytes, phase=0):
+            await gate.wait()
+            return await allocate(nbytes, phase)
+
+        monkeypatch.setattr(s._nvme, "allocate", slow_allocate)
+        put = asyncio.ensure_future(
+            s.put_many({"k": np.full(size, 2, np.uint8), "x": np.full(3 * MiB, 9, np.uint8)}, to="nvme")
+        )
+        for _ in range(5):
+            await asyncio.sleep(0)
+        reader = asyncio.ensure_future(s.get("k"))
+        put.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await put
+        monkeypatch.undo()
+        assert (await reader == 1).all() and (await s.get("k") == 1).all()
+        assert "x" not in s

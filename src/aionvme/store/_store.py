@@ -797,20 +797,25 @@ class TieredStore:
                     else:
                         bypass.append((e, src))
                 # straight to NVMe: values no memory tier can take
-                for e, src in bypass:
-                    reuse = self._reusable(e, src)
-                    if reuse is None:
+                while True:
+                    todo = [(e, src) for e, src in bypass if e.disk is None]
+                    late = [(e, src) for e, src in todo if self._reusable(e, src) is None]
+                    if not late:
+                        # overwrite the previous values' pages in place: taken
+                        # with no await between here and the write's start, so
+                        # a cancellation before it leaves them whole; their
+                        # readers wait for this put (see Entry.replaced)
+                        for e, src in todo:
+                            prev, e.disk = self._reusable(e, src)  # type: ignore[misc]
+                            self._drop_host(prev)
+                            self._drop_gpu(prev)
+                            prev.disk = None
+                            prev.dead = True
+                            prev.replaced = asyncio.get_running_loop().create_future()
+                            reused.append(prev)
+                        break
+                    for e, src in late:  # new space (each await may change what is reusable)
                         e.disk = await self._nvme.allocate(e.nbytes, address(src))
-                        continue
-                    # overwrite the previous value's pages in place: its
-                    # readers wait for this put (see Entry.replaced)
-                    prev, e.disk = reuse
-                    self._drop_host(prev)
-                    self._drop_gpu(prev)
-                    prev.disk = None
-                    prev.dead = True
-                    prev.replaced = asyncio.get_running_loop().create_future()
-                    reused.append(prev)
                 if bypass:
                     jobs = [(e.disk, src) for e, src in bypass]
                     if reused:
