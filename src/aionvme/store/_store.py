@@ -798,15 +798,15 @@ class TieredStore:
                         bypass.append((e, src))
                 # straight to NVMe: values no memory tier can take
                 while True:
-                    todo = [(e, src) for e, src in bypass if e.disk is None]
-                    late = [(e, src) for e, src in todo if self._reusable(e, src) is None]
+                    plans = [(e, src, self._reusable(e, src)) for e, src in bypass if e.disk is None]
+                    late = [(e, src) for e, src, reuse in plans if reuse is None]
                     if not late:
                         # overwrite the previous values' pages in place: taken
                         # with no await between here and the write's start, so
                         # a cancellation before it leaves them whole; their
                         # readers wait for this put (see Entry.replaced)
-                        for e, src in todo:
-                            prev, e.disk = self._reusable(e, src)  # type: ignore[misc]
+                        for e, _src, reuse in plans:
+                            prev, e.disk = reuse  # type: ignore[misc]
                             self._drop_host(prev)
                             self._drop_gpu(prev)
                             prev.disk = None

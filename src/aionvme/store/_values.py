@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from ..exceptions import BufferTypeError, DeviceError, NonContiguousBufferError
+from ._alloc import round_up
 
 PAGE = 4096
 
@@ -143,7 +144,7 @@ def result_span(meta: Meta, phase: int) -> tuple[Any, Any, Any]:
     pages around it (``raw`` starts ``phase`` bytes into it), so one O_DIRECT
     read of the extent's pages fills it with no bounce."""
     n = meta.nbytes
-    whole = -(-(phase + n) // PAGE) * PAGE
+    whole = round_up(phase + n)
     span = _aligned_numpy(whole) if meta.kind == "numpy" else _aligned_torch(whole)
     raw = span[phase : phase + n]
     return view_as(raw, meta), raw, span
