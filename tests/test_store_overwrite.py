@@ -25,6 +25,15 @@ def pages(ext) -> list:
     return [(i, span(off, n)[0]) for i, off, _, n in ext]
 
 
+def full(size: int, fill: int) -> np.ndarray:
+    """size bytes of fill, 64 bytes into a page every time (malloc'd arrays come
+    at any phase, and a swap-out overwrites in place only where the old value's
+    pages hold the new one at its phase)."""
+    a = nvme.empty(size + 4096)[64 : 64 + size]
+    a[:] = fill
+    return a
+
+
 def _slab_bytes(d) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if f.endswith(".slab"))
 
@@ -95,8 +104,8 @@ async def test_readers_during_an_overwrite_see_one_whole_value(tmp_path):
 async def test_a_cancelled_overwrite_leaves_a_whole_value(tmp_path):
     size = 32 * MiB
     async with TieredStore(tmp_path, host=MiB) as s:
-        await s.put("k", np.full(size, 1, np.uint8), to="nvme")
-        put = asyncio.ensure_future(s.put("k", np.full(size, 2, np.uint8), to="nvme"))
+        await s.put("k", full(size, 1), to="nvme")
+        put = asyncio.ensure_future(s.put("k", full(size, 2), to="nvme"))
         await asyncio.sleep(0)
         put.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -108,8 +117,8 @@ async def test_a_cancelled_overwrite_leaves_a_whole_value(tmp_path):
 async def test_a_failed_overwrite_removes_the_key_and_frees_its_space(tmp_path, monkeypatch):
     size = 8 * MiB
     async with TieredStore(tmp_path, host=MiB) as s:
-        await s.put("k", np.full(size, 1, np.uint8), to="nvme")
-        await s.put("other", np.full(size, 5, np.uint8), to="nvme")
+        await s.put("k", full(size, 1), to="nvme")
+        await s.put("other", full(size, 5), to="nvme")
         free = s._nvme.free_bytes
 
         async def failing(jobs, stage=False):
@@ -117,7 +126,7 @@ async def test_a_failed_overwrite_removes_the_key_and_frees_its_space(tmp_path, 
 
         monkeypatch.setattr(s._nvme, "write", failing)
         with pytest.raises(OSError) as ei:
-            await s.put("k", np.full(size, 2, np.uint8), to="nvme")
+            await s.put("k", full(size, 2), to="nvme")
         assert ei.value.errno == errno.EIO
         monkeypatch.undo()
         assert "k" not in s
@@ -125,7 +134,7 @@ async def test_a_failed_overwrite_removes_the_key_and_frees_its_space(tmp_path, 
             await s.get("k")
         assert s._nvme.free_bytes >= free + size  # its extents went back
         assert (await s.get("other") == 5).all()
-        await s.put("k", np.full(size, 3, np.uint8), to="nvme")  # the store stays usable
+        await s.put("k", full(size, 3), to="nvme")  # the store stays usable
         assert (await s.get("k") == 3).all()
 
 
@@ -169,7 +178,7 @@ async def test_a_put_cancelled_before_its_write_leaves_the_old_value(tmp_path, m
     its space: a cancellation while the batch still allocates changes nothing."""
     size = 8 * MiB
     async with TieredStore(tmp_path, host=MiB) as s:
-        await s.put("k", np.full(size, 1, np.uint8), to="nvme")
+        await s.put("k", full(size, 1), to="nvme")
         gate = asyncio.Event()
         allocate = s._nvme.allocate
 
@@ -179,7 +188,7 @@ async def test_a_put_cancelled_before_its_write_leaves_the_old_value(tmp_path, m
 
         monkeypatch.setattr(s._nvme, "allocate", slow_allocate)
         put = asyncio.ensure_future(
-            s.put_many({"k": np.full(size, 2, np.uint8), "x": np.full(3 * MiB, 9, np.uint8)}, to="nvme")
+            s.put_many({"k": full(size, 2), "x": np.full(3 * MiB, 9, np.uint8)}, to="nvme")
         )
         for _ in range(5):
             await asyncio.sleep(0)
