@@ -177,6 +177,20 @@ async def test_prefetch_starts_now_and_get_waits_for_it(tmp_path):
         assert s.stats()["host"]["hits"] >= 1
 
 
+async def test_a_put_that_waits_for_a_loading_value_goes_on_when_the_load_ends(tmp_path):
+    """The only value a put could evict is being prefetched: the put waits, and
+    must wake when the load ends (found by the property test: the tier's wake-up
+    came while the entry still counted as loading, and nothing woke it again)."""
+    async with TieredStore(tmp_path, host=64 * KiB, nvme="1M") as s:
+        await s.put("a", rand(10_000, 1))
+        await s.evict("a")
+        await s.prefetch(["a"])  # a's load has its room; reading it is in flight
+        assert s._index["a"].loading is not None
+        await asyncio.wait_for(s.put("d", rand(10_000, 2)), 10)  # room only by evicting a
+        assert np.array_equal(await s.get("d"), rand(10_000, 2))
+        assert np.array_equal(await s.get("a"), rand(10_000, 1))
+
+
 async def test_put_many_get_many(tmp_path):
     vals = {f"w{i}": torch.randn(1000 + i) for i in range(10)}
     async with TieredStore(tmp_path, host="16K", admit="second-touch") as s:

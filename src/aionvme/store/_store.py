@@ -635,8 +635,13 @@ class TieredStore:
             if gpu:
                 if e.gpu_loading is task:
                     e.gpu_loading = None
+                    if self._gpu is not None:
+                        self._gpu.notify()
             elif e.loading is task:
                 e.loading = None
+                # a loading entry is not evictable: a put that found nothing
+                # else to evict waits for this (add() woke it too early)
+                self._host.notify()
             if not task.cancelled() and task.exception() is not None and wait:
                 self.errors.append(task.exception())  # type: ignore[arg-type]
                 del self.errors[:-16]
