@@ -191,6 +191,29 @@ async def test_a_put_that_waits_for_a_loading_value_goes_on_when_the_load_ends(t
         assert np.array_equal(await s.get("a"), rand(10_000, 1))
 
 
+async def test_two_holds_whose_values_do_not_fit_together_take_turns(tmp_path):
+    """Each hold loads its value, and the other's load evicted it before the
+    holder resumed to take it: the two loads evicted each other forever
+    (found by the property test). A value a waiter is about to take is not
+    evictable until it has taken it."""
+    async with TieredStore(tmp_path, host=64 * KiB) as s:
+        vals = {k: np.random.default_rng(i).integers(0, 256, 40_000, dtype=np.uint8) for i, k in enumerate("bc")}
+        await s.put_many(vals)
+        await s.evict("b")
+        await s.evict("c")
+
+        async def hold(k):
+            async with s.hold(k) as t:
+                await asyncio.sleep(0)
+                return np.array_equal(t, vals[k])
+
+        async def get(k):
+            return np.array_equal(await s.get(k), vals[k])
+
+        got = await asyncio.wait_for(asyncio.gather(hold("c"), hold("b"), get("c"), get("b")), 10)
+        assert got == [True] * 4
+
+
 async def test_put_many_get_many(tmp_path):
     vals = {f"w{i}": torch.randn(1000 + i) for i in range(10)}
     async with TieredStore(tmp_path, host="16K", admit="second-touch") as s:

@@ -58,6 +58,7 @@ class Entry:
     """
 
     __slots__ = (
+        "claims",
         "dead",
         "disk",
         "disk_refs",
@@ -82,6 +83,11 @@ class Entry:
         self.refs = 0
         self.gpu_refs = 0
         self.disk_refs = 0
+        # readers and holders waiting on a load of this entry: until each has
+        # resumed and taken its copy (or reference), the copies the load made
+        # are not evictable, or two holds whose values do not fit the tier
+        # together evict each other's value before either takes it, forever
+        self.claims = 0
         self.loading: asyncio.Task[None] | None = None  # colder -> host
         self.gpu_loading: asyncio.Task[None] | None = None  # colder -> GPU
         self.moving = False  # host -> NVMe write in flight
@@ -476,16 +482,27 @@ class TieredStore:
     # -- making room ---------------------------------------------------------------------
 
     def _evictable(self, tier: MemTier, e: Entry) -> bool:
+        if e.claims:
+            return False
         if tier is self._host:
             return e.refs == 0 and not e.moving and e.loading is None and e.host is not None
         return e.gpu_refs == 0 and e.gpu_loading is None and e.gpu is not None
 
     async def _make_room(
-        self, tier: MemTier, nbytes: int, deadline: float | None, what: str, wait: bool = True, phase: int = 0
+        self,
+        tier: MemTier,
+        nbytes: int,
+        deadline: float | None,
+        what: str,
+        wait: bool = True,
+        phase: int = 0,
+        moot: Callable[[], bool] | None = None,
     ) -> Any:
         """Allocate nbytes in a memory tier, evicting colder as needed; waits
         (FIFO among callers) while everything evictable is held or in flight.
-        ``phase``: the host tier places the bytes that far into a page."""
+        ``phase``: the host tier places the bytes that far into a page.
+        ``moot``: the room is no longer needed once this is true (a load whose
+        value reached the tier another way): then None, without allocating."""
         got = tier.try_alloc(nbytes, phase)  # type: ignore[attr-defined]
         if got is not None and not tier.lock.locked():
             return got
@@ -493,6 +510,8 @@ class TieredStore:
             tier.free(got, nbytes)  # type: ignore[attr-defined]
         async with tier.lock:
             while True:
+                if moot is not None and moot():
+                    return None
                 got = tier.try_alloc(nbytes, phase)  # type: ignore[attr-defined]
                 if got is not None:
                     return got
@@ -652,7 +671,14 @@ class TieredStore:
     async def _load_host(self, e: Entry, deadline: float | None, wait: bool = True) -> None:
         if e.host is not None or e.dead:
             return
-        off = await self._make_room(self._host, e.nbytes, deadline, f"{e.key!r}", wait, phase_of(e.disk))
+        # moot: a get's promotion put the value in the tier meanwhile (a load
+        # is not evictable, so waiting on would wait for itself)
+        off = await self._make_room(
+            self._host, e.nbytes, deadline, f"{e.key!r}", wait, phase_of(e.disk),
+            lambda: e.host is not None or e.dead,
+        )
+        if off is None:
+            return
         try:
             dst = self._host.view(off, e.nbytes, True)
             if e.host is not None or e.dead:
@@ -686,7 +712,11 @@ class TieredStore:
         gpu = self._gpu
         if gpu is None or e.gpu is not None or e.dead:
             return
-        t = await self._make_room(gpu, e.nbytes, deadline, f"{e.key!r}", wait)
+        t = await self._make_room(
+            gpu, e.nbytes, deadline, f"{e.key!r}", wait, moot=lambda: e.gpu is not None or e.dead
+        )
+        if t is None:
+            return
         try:
             if e.gpu is not None or e.dead:
                 return
@@ -1077,7 +1107,9 @@ class TieredStore:
                 return value
         return await self._get_entry(e, str(device), out, self._deadline(timeout))
 
-    async def _get_entry(self, e: Entry, device: str, out: Any, deadline: float | None) -> Any:
+    async def _get_entry(
+        self, e: Entry, device: str, out: Any, deadline: float | None, direct: bool = False
+    ) -> Any:
         meta = e.meta
         cuda = device.startswith("cuda")
         span = None  # the whole pages around a fresh CPU result (see NvmeTier.read)
@@ -1099,7 +1131,7 @@ class TieredStore:
         elif not cuda:
             hit = e.host is not None or e.loading is not None
             self._host.stats["hits" if hit else "misses"] += 1
-        direct = cuda_direct = False
+        cuda_direct = direct
         for _ in range(8):
             if (
                 cuda
@@ -1120,7 +1152,7 @@ class TieredStore:
                 self._gpu.touch(e)  # type: ignore[union-attr]
                 return value
             if cuda and e.gpu_loading is not None and not cuda_direct:
-                if not await self._await_load(e.gpu_loading):
+                if not await self._await_load(e, e.gpu_loading):
                     cuda_direct = True
                 continue
             if (
@@ -1134,7 +1166,7 @@ class TieredStore:
             ):
                 self._start_load(e, deadline, wait=False)
             if e.loading is not None and e.host is None and not direct:
-                if not await self._await_load(e.loading):
+                if not await self._await_load(e, e.loading):
                     direct = True  # no room to promote: read straight into the result
                 continue
             if e.host is not None:
@@ -1165,7 +1197,9 @@ class TieredStore:
         cur = self._index.get(e.key)
         if cur is None:
             raise StoreKeyError(e.key)
-        return await self._get_entry(cur, device, out, deadline)
+        # the same value, whose loads kept losing their copies to evictions:
+        # read it without promoting
+        return await self._get_entry(cur, device, out, deadline, direct=cur is e)
 
     async def _promote_from(self, e: Entry, raw: Any) -> None:
         """Copy a value just read from NVMe (``raw``, its bytes) into the host
@@ -1190,13 +1224,28 @@ class TieredStore:
             if off >= 0:
                 self._host.free(off, e.nbytes)
 
-    async def _join_load(self, task: asyncio.Task[None]) -> bool:
+    async def _claimed(self, e: Entry, task: asyncio.Task[None]) -> None:
+        """Await e's load holding a claim on e (see Entry.claims): the caller
+        takes what the load brought before the next suspension point."""
+        e.claims += 1
+        try:
+            await asyncio.shield(task)
+        finally:
+            e.claims -= 1
+            if e.claims == 0:
+                # evictable again once the caller has taken its reference (it
+                # does so before the woken waiters run)
+                self._host.notify()
+                if self._gpu is not None:
+                    self._gpu.notify()
+
+    async def _join_load(self, e: Entry, task: asyncio.Task[None]) -> bool:
         """Wait for a load a hold needs: False if it was someone else's load
         that would not wait for room and found none (the hold then starts
         its own, which waits); its own load's errors are raised."""
         nowait = task in self._nowait_loads
         try:
-            await asyncio.shield(task)
+            await self._claimed(e, task)
         except (StoreFullError, StoreTimeoutError):
             if nowait:
                 await asyncio.sleep(0)  # its done callback has run: the next _start_load is ours
@@ -1204,10 +1253,10 @@ class TieredStore:
             raise
         return True
 
-    async def _await_load(self, task: asyncio.Task[None]) -> bool:
+    async def _await_load(self, e: Entry, task: asyncio.Task[None]) -> bool:
         """Wait for a load; False if it found no room (the caller reads directly instead)."""
         try:
-            await asyncio.shield(task)
+            await self._claimed(e, task)
         except (StoreFullError, StoreTimeoutError):
             return False
         return True
@@ -1763,7 +1812,7 @@ class _Hold:
                     raise DeviceError("hold(device='cuda') on a store without a GPU tier (gpu=None)")
                 if e.nbytes > s._gpu.capacity:
                     raise StoreFullError(f"{self.key!r} ({e.nbytes} bytes) is larger than the GPU tier")
-                if e.gpu is None and not await s._join_load(s._start_load(e, deadline, gpu=True)):
+                if e.gpu is None and not await s._join_load(e, s._start_load(e, deadline, gpu=True)):
                     continue
                 if e.gpu is not None and not e.dead:
                     e.gpu_refs += 1
@@ -1776,7 +1825,7 @@ class _Hold:
             if e.replaced is not None:
                 await asyncio.shield(e.replaced)  # a put overwriting it in place
                 continue
-            if e.host is None and not await s._join_load(s._start_load(e, deadline)):
+            if e.host is None and not await s._join_load(e, s._start_load(e, deadline)):
                 continue
             if e.host is not None and not e.dead:
                 e.refs += 1
