@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from .. import defaults
 from ..atomic import atomic_write, fsync_dir
 from ..file import File
 from ..memory import empty
@@ -187,7 +188,7 @@ async def _write_file(path: str, layout: _Layout, sync: bool) -> None:
     items: list[tuple[Any, int]] = list(layout.bodies)
     items += layout.pages.buffers()
     items.sort(key=lambda it: it[1])
-    f = File(path, "w")
+    f = File(path, "w", block_size=defaults.bulk_write_block())
     try:
         if items:
             await f.pwrite_many(items)

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import defaults
 from .. import file as _file
 from .. import memory
 from ._alloc import ALIGN, ExtentAllocator, round_up
@@ -383,10 +384,11 @@ class NvmeTier:
 
     async def _run(self, jobs: Sequence[tuple[Any, ...]], write: bool) -> None:
         per = self._items(jobs, write)
-        futs = [
-            (self._file_of(i).pwrite_many(items) if write else self._file_of(i).pread_many(items))
-            for i, items in per.items()
-        ]
+        if write:
+            block = defaults.bulk_write_block()
+            futs = [_file.pwrite_many(items, self._file_of(i), block_size=block) for i, items in per.items()]
+        else:
+            futs = [self._file_of(i).pread_many(items) for i, items in per.items()]
         if len(futs) == 1:
             await futs[0]
             return
