@@ -12,8 +12,10 @@ measures, with the page cache dropped before every step (run as root):
 - load with ``aionvme.dcp.Reader`` and ``FileSystemReader`` (the aionvme
   checkpoint; every byte is compared with the source afterwards);
 - how long ``dcp.async_save`` blocks the caller with each writer as the stager;
-- fio sequential write (``end_fsync``) and read of the same bytes, one job per
-  rank, O_DIRECT, libaio.
+- fio sequential write (``end_fsync``, fresh files) and read of the same
+  bytes, one job per rank, O_DIRECT, libaio, at bs 4M and 64M (QD 16), each
+  ``--repeat`` times: the best is the device's ceiling, and its last column,
+  torch's best time over fio's, is the most any writer could lead torch by.
 
 Times are wall seconds from a barrier before the step to a barrier after it.
 Each writer first saves a tiny state dict untimed (a process's first save pays
@@ -156,15 +158,25 @@ def _all_gather(dist: Any, x: float) -> list[float]:
     return [float(v) for v in got]
 
 
-def _fio(directory: str, rw: str, jobs: int, per_job: int) -> float:
-    """Wall seconds of fio moving jobs x per_job bytes sequentially."""
+# fio's sequential points: on the disk of bench/README.md the bytes in flight
+# decide the write rate (bs 4M QD 16 ~1.5 GB/s, bs 64M QD 16 up to 2.4), so the
+# device's ceiling is the best of a few, not one configuration.
+FIO_POINTS = [("4M", 16), ("64M", 16)]
+
+
+def _fio(directory: str, rw: str, jobs: int, per_job: int, bs: str = "4M", qd: int = 16) -> float:
+    """Wall seconds of fio moving jobs x per_job bytes sequentially; a write
+    goes to fresh files (a checkpoint's are new), a read reads the last write's."""
+    if rw == "write":
+        for name in os.listdir(directory):
+            os.unlink(os.path.join(directory, name))
     cmd = [
         "fio",
         "--name=dcp",
         f"--directory={directory}",
         f"--rw={rw}",
-        "--bs=4M",
-        "--iodepth=16",
+        f"--bs={bs}",
+        f"--iodepth={qd}",
         "--ioengine=libaio",
         "--direct=1",
         f"--size={per_job}",
@@ -201,10 +213,15 @@ def run(world: int, size: int, threads: list[int], parent: str | None, repeat: i
         if shutil.which("fio"):
             fio_dir = os.path.join(base, "fio")
             os.makedirs(fio_dir)
-            drop_caches()
-            res["fio_write"] = _fio(fio_dir, "write", world, size // world)
-            drop_caches()
-            res["fio_read"] = _fio(fio_dir, "read", world, size // world)
+            writes, reads = [], []
+            for _ in range(repeat):
+                for bs, qd in FIO_POINTS:
+                    drop_caches()
+                    writes.append(_fio(fio_dir, "write", world, size // world, bs, qd))
+                    drop_caches()
+                    reads.append(_fio(fio_dir, "read", world, size // world, bs, qd))
+            res["fio_write"], res["fio_read"] = min(writes), min(reads)
+            res["fio_write_all"], res["fio_read_all"] = writes, reads
         res["ranks"], res["bytes"] = world, size
         return res
     finally:
@@ -213,8 +230,8 @@ def run(world: int, size: int, threads: list[int], parent: str | None, repeat: i
 
 def report(results: list[dict[str, Any]], threads: list[int]) -> str:
     lines = [
-        "| ranks | op | aionvme | torch (best threads) | fio | vs torch | vs fio |",
-        "|---|---|---|---|---|---|---|",
+        "| ranks | op | aionvme | torch (best threads) | fio (best point) | vs torch | vs fio | fio vs torch |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         gb = r["bytes"] / 1e9
@@ -226,14 +243,17 @@ def report(results: list[dict[str, Any]], threads: list[int]) -> str:
         for op, ours, theirs, note, fio in rows:
             fio_s = f"{fio:.2f} s ({gb / fio:.2f} GB/s)" if fio else "-"
             vs_fio = f"{fio / ours:.2f}x" if fio else "-"
+            # the device's lead over torch: what any writer could reach against it
+            ceiling = f"{theirs / fio:.2f}x" if fio else "-"
             lines.append(
                 f"| {r['ranks']} | {op} | {ours:.2f} s ({gb / ours:.2f} GB/s) | "
-                f"{theirs:.2f} s ({gb / theirs:.2f} GB/s){note} | {fio_s} | {theirs / ours:.2f}x | {vs_fio} |"
+                f"{theirs:.2f} s ({gb / theirs:.2f} GB/s){note} | {fio_s} | {theirs / ours:.2f}x | {vs_fio} "
+                f"| {ceiling} |"
             )
         ours_b, torch_b = r["async_block_aionvme"], r["async_block_torch"]
         lines.append(
             f"| {r['ranks']} | async_save blocks | {ours_b:.3f} s | {torch_b:.3f} s | - "
-            f"| {torch_b / ours_b:.2f}x | - |"
+            f"| {torch_b / ours_b:.2f}x | - | - |"
         )
     for r in results:
         runs = {
