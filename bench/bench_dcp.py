@@ -230,7 +230,8 @@ def run(world: int, size: int, threads: list[int], parent: str | None, repeat: i
 
 def report(results: list[dict[str, Any]], threads: list[int]) -> str:
     lines = [
-        "| ranks | op | aionvme | torch (best threads) | fio (best point) | vs torch | vs fio | fio vs torch |",
+        "| ranks | op | aionvme | torch (best threads) | fio (best point) | vs torch | vs fio "
+        "| fio vs torch |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:

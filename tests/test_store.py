@@ -197,7 +197,9 @@ async def test_two_holds_whose_values_do_not_fit_together_take_turns(tmp_path):
     (found by the property test). A value a waiter is about to take is not
     evictable until it has taken it."""
     async with TieredStore(tmp_path, host=64 * KiB) as s:
-        vals = {k: np.random.default_rng(i).integers(0, 256, 40_000, dtype=np.uint8) for i, k in enumerate("bc")}
+        vals = {
+            k: np.random.default_rng(i).integers(0, 256, 40_000, dtype=np.uint8) for i, k in enumerate("bc")
+        }
         await s.put_many(vals)
         await s.evict("b")
         await s.evict("c")

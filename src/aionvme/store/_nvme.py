@@ -35,9 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import defaults
+from .. import defaults, memory
 from .. import file as _file
-from .. import memory
 from ._alloc import ALIGN, ExtentAllocator, round_up
 from ._errors import StoreFullError
 

@@ -674,7 +674,12 @@ class TieredStore:
         # moot: a get's promotion put the value in the tier meanwhile (a load
         # is not evictable, so waiting on would wait for itself)
         off = await self._make_room(
-            self._host, e.nbytes, deadline, f"{e.key!r}", wait, phase_of(e.disk),
+            self._host,
+            e.nbytes,
+            deadline,
+            f"{e.key!r}",
+            wait,
+            phase_of(e.disk),
             lambda: e.host is not None or e.dead,
         )
         if off is None:
