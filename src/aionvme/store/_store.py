@@ -63,6 +63,7 @@ class Entry:
         "disk",
         "disk_refs",
         "gpu",
+        "gpu_claims",
         "gpu_loading",
         "gpu_refs",
         "host",
@@ -83,11 +84,15 @@ class Entry:
         self.refs = 0
         self.gpu_refs = 0
         self.disk_refs = 0
-        # readers and holders waiting on a load of this entry: until each has
-        # resumed and taken its copy (or reference), the copies the load made
-        # are not evictable, or two holds whose values do not fit the tier
-        # together evict each other's value before either takes it, forever
+        # readers and holders waiting on a load of this entry into the host
+        # (GPU) tier: until each has resumed and taken its copy or reference,
+        # the copy the load made is not evictable, or two holds whose values
+        # do not fit the tier together evict each other's value before either
+        # takes it, forever. A claim pins nothing while the load runs (the
+        # copy does not exist yet), only between the load's end and the
+        # claimants' next step.
         self.claims = 0
+        self.gpu_claims = 0
         self.loading: asyncio.Task[None] | None = None  # colder -> host
         self.gpu_loading: asyncio.Task[None] | None = None  # colder -> GPU
         self.moving = False  # host -> NVMe write in flight
@@ -482,11 +487,9 @@ class TieredStore:
     # -- making room ---------------------------------------------------------------------
 
     def _evictable(self, tier: MemTier, e: Entry) -> bool:
-        if e.claims:
-            return False
         if tier is self._host:
-            return e.refs == 0 and not e.moving and e.loading is None and e.host is not None
-        return e.gpu_refs == 0 and e.gpu_loading is None and e.gpu is not None
+            return e.refs == 0 and not e.claims and not e.moving and e.loading is None and e.host is not None
+        return e.gpu_refs == 0 and not e.gpu_claims and e.gpu_loading is None and e.gpu is not None
 
     async def _make_room(
         self,
@@ -1157,7 +1160,7 @@ class TieredStore:
                 self._gpu.touch(e)  # type: ignore[union-attr]
                 return value
             if cuda and e.gpu_loading is not None and not cuda_direct:
-                if not await self._await_load(e, e.gpu_loading):
+                if not await self._await_load(e, e.gpu_loading, gpu=True):
                     cuda_direct = True
                 continue
             if (
@@ -1229,28 +1232,35 @@ class TieredStore:
             if off >= 0:
                 self._host.free(off, e.nbytes)
 
-    async def _claimed(self, e: Entry, task: asyncio.Task[None]) -> None:
-        """Await e's load holding a claim on e (see Entry.claims): the caller
-        takes what the load brought before the next suspension point."""
-        e.claims += 1
+    async def _claimed(self, e: Entry, task: asyncio.Task[None], gpu: bool) -> None:
+        """Await e's load into the host (GPU) tier holding a claim on what it
+        brings (see Entry.claims): the caller takes it before its next
+        suspension point."""
+        if gpu:
+            e.gpu_claims += 1
+        else:
+            e.claims += 1
         try:
             await asyncio.shield(task)
         finally:
-            e.claims -= 1
-            if e.claims == 0:
-                # evictable again once the caller has taken its reference (it
-                # does so before the woken waiters run)
-                self._host.notify()
-                if self._gpu is not None:
+            # evictable again once the caller has taken its reference (it does
+            # so before the waiters woken here run)
+            if gpu:
+                e.gpu_claims -= 1
+                if e.gpu_claims == 0 and self._gpu is not None:
                     self._gpu.notify()
+            else:
+                e.claims -= 1
+                if e.claims == 0:
+                    self._host.notify()
 
-    async def _join_load(self, e: Entry, task: asyncio.Task[None]) -> bool:
+    async def _join_load(self, e: Entry, task: asyncio.Task[None], gpu: bool = False) -> bool:
         """Wait for a load a hold needs: False if it was someone else's load
         that would not wait for room and found none (the hold then starts
         its own, which waits); its own load's errors are raised."""
         nowait = task in self._nowait_loads
         try:
-            await self._claimed(e, task)
+            await self._claimed(e, task, gpu)
         except (StoreFullError, StoreTimeoutError):
             if nowait:
                 await asyncio.sleep(0)  # its done callback has run: the next _start_load is ours
@@ -1258,10 +1268,10 @@ class TieredStore:
             raise
         return True
 
-    async def _await_load(self, e: Entry, task: asyncio.Task[None]) -> bool:
+    async def _await_load(self, e: Entry, task: asyncio.Task[None], gpu: bool = False) -> bool:
         """Wait for a load; False if it found no room (the caller reads directly instead)."""
         try:
-            await self._claimed(e, task)
+            await self._claimed(e, task, gpu)
         except (StoreFullError, StoreTimeoutError):
             return False
         return True
@@ -1817,7 +1827,9 @@ class _Hold:
                     raise DeviceError("hold(device='cuda') on a store without a GPU tier (gpu=None)")
                 if e.nbytes > s._gpu.capacity:
                     raise StoreFullError(f"{self.key!r} ({e.nbytes} bytes) is larger than the GPU tier")
-                if e.gpu is None and not await s._join_load(e, s._start_load(e, deadline, gpu=True)):
+                if e.gpu is None and not await s._join_load(
+                    e, s._start_load(e, deadline, gpu=True), gpu=True
+                ):
                     continue
                 if e.gpu is not None and not e.dead:
                     e.gpu_refs += 1
