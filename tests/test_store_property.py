@@ -174,14 +174,25 @@ async def _program(dirs, prog, policy, admit, nvme_cap, persist) -> None:
         await store.close()
 
 
+def _await_chain(task: asyncio.Task) -> str:
+    """Where a task waits: each coroutine it awaits, innermost last, with its
+    line (a task's own stack shows only its outermost frame)."""
+    out = []
+    c = task.get_coro()
+    while c is not None and len(out) < 40:
+        fr = getattr(c, "cr_frame", None) or getattr(c, "gi_frame", None)
+        name = getattr(c, "__qualname__", type(c).__name__)
+        out.append(f"{name}:{fr.f_lineno}" if fr is not None else name)
+        c = getattr(c, "cr_await", None) or getattr(c, "gi_yieldfrom", None)
+    return " > ".join(out)
+
+
 async def _guarded(coro, limit: float = 30.0):
     """A hang fails the example (and hypothesis shrinks it) instead of the whole run."""
     task = asyncio.ensure_future(coro)
     done, _ = await asyncio.wait([task], timeout=limit)
     if not done:
-        stacks = "\n".join(
-            f"{t.get_coro()}: {t.get_stack(limit=3)}" for t in asyncio.all_tasks() if not t.done()
-        )
+        stacks = "\n".join(_await_chain(t) for t in asyncio.all_tasks() if not t.done())
         task.cancel()
         raise AssertionError(f"program hung for {limit} s; tasks:\n{stacks}")
     return task.result()
