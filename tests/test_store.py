@@ -216,6 +216,27 @@ async def test_two_holds_whose_values_do_not_fit_together_take_turns(tmp_path):
         assert got == [True] * 4
 
 
+async def test_a_write_behind_is_in_the_engine_when_the_put_that_started_it_returns(tmp_path):
+    """A put that needs no room and copies without suspending starts the
+    write-behind of colder values: their writes must reach the engine before
+    the put returns, not at the loop's next iteration (a caller that puts
+    again at once would leave the device idle until it next suspends)."""
+    mib = 1 << 20
+    vals = [np.random.default_rng(i).integers(0, 256, mib, dtype=np.uint8) for i in range(6)]
+    async with TieredStore(tmp_path, host=3 * mib + 64 * KiB, nvme="64M") as s:
+        await s.put(0, vals[0])
+        await s.put(1, vals[1])
+        slab = s._nvme.slabs[0].file._h
+        assert slab.active == 0
+        await s.put(2, vals[2])  # three quarters full: the write-behind starts
+        assert slab.active > 0
+        for i in range(3, 6):  # each needs room: the values written behind are dropped
+            await s.put(i, vals[i])
+        for i in range(6):
+            assert np.array_equal(await s.get(i), vals[i])
+        assert s.stats()["host"]["evictions"] >= 2
+
+
 async def test_put_many_get_many(tmp_path):
     vals = {f"w{i}": torch.randn(1000 + i) for i in range(10)}
     async with TieredStore(tmp_path, host="16K", admit="second-touch") as s:

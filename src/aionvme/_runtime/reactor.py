@@ -205,6 +205,14 @@ class Reactor:
         chunks go out this loop iteration, or earlier (see Hub)."""
         return self.hub.submit(req)
 
+    def flush_now(self) -> None:
+        """Hand the requests queued so far in this loop iteration to the
+        kernel now instead of at the flush scheduled for its end: for a
+        caller that queued a write behind and goes on without suspending (the
+        device would sit idle until the loop next runs its callbacks)."""
+        if self.hub.scheduled:
+            self._flush()
+
     def _flush(self) -> None:
         # Requests queued during this loop iteration go to the kernel together.
         hub = self.hub

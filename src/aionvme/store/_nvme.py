@@ -52,6 +52,20 @@ PHASE_MIN = 256 << 10
 PHASE_UNIT = 16  # phases are multiples of this: any dtype's alignment (malloc gives 16)
 
 
+async def _all_of(futs: list[Awaitable[Any]], keep: Any) -> None:
+    """Await every request of one transfer; ``keep`` (the buffers the
+    requests were made of) stays referenced until they end."""
+    if len(futs) == 1:
+        await futs[0]
+        return
+    # every batch must end before the buffers can be reused, even when one fails
+    results = await asyncio.gather(*futs, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    del keep
+
+
 def span(offset: int, nbytes: int) -> tuple[int, int]:
     """The allocated (offset, nbytes) of a piece at ``offset`` (its phase is
     ``offset % ALIGN``: 0 for every piece but a phase-placed value's)."""
@@ -237,6 +251,18 @@ class NvmeTier:
             return [(i, off + phase, 0, nbytes)]
         return await self._allocate(nbytes)
 
+    def try_allocate(self, nbytes: int, phase: int = 0) -> Extents | None:
+        """:meth:`allocate` from free space only, without waiting: None where
+        the value needs a slab to grow (or a compaction) first."""
+        phase = self.placement_phase(nbytes, phase)
+        if phase:
+            got = self._try_alloc(nbytes + phase)
+            if got is None:
+                return None
+            ((i, off, _, _),) = got
+            return [(i, off + phase, 0, nbytes)]
+        return self._try_alloc(nbytes)
+
     def placement_phase(self, nbytes: int, phase: int) -> int:
         """The phase :meth:`allocate` gives a value of nbytes written from
         memory at ``phase`` (``address % 4096``): that phase, or 0."""
@@ -381,26 +407,34 @@ class NvmeTier:
                 per.setdefault(i, []).append((raw[boff : boff + ln], off))
         return per
 
-    async def _run(self, jobs: Sequence[tuple[Any, ...]], write: bool) -> None:
+    def _start(self, jobs: Sequence[tuple[Any, ...]], write: bool) -> Awaitable[None]:
+        """Queue the requests of ``jobs`` on the running loop's engine now
+        (one per slab); the awaitable ends when all of them have."""
         per = self._items(jobs, write)
         if write:
             block = defaults.bulk_write_block()
             futs = [_file.pwrite_many(items, self._file_of(i), block_size=block) for i, items in per.items()]
         else:
             futs = [self._file_of(i).pread_many(items) for i, items in per.items()]
-        if len(futs) == 1:
-            await futs[0]
-            return
-        # every batch must end before the buffers can be reused, even when one fails
-        results = await asyncio.gather(*futs, return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
+        return _all_of(futs, per)
+
+    async def _run(self, jobs: Sequence[tuple[Any, ...]], write: bool) -> None:
+        await self._start(jobs, write)
 
     async def write(self, jobs: Sequence[tuple[Extents, Any]]) -> None:
         """Write each (extents, flat uint8 buffer): one batched request per slab."""
-        await self._run(jobs, True)
-        self.stats["bytes_in"] += sum(n for ext, _ in jobs for *_, n in ext)
+        await self.start_write(jobs)
+
+    def start_write(self, jobs: Sequence[tuple[Extents, Any]]) -> Awaitable[None]:
+        """:meth:`write`, with its requests queued on the engine at this call
+        rather than when the result is first awaited; the buffers must stay
+        untouched until it ends."""
+        pending = self._start(jobs, True)
+        return self._count_in(pending, sum(n for ext, _ in jobs for *_, n in ext))
+
+    async def _count_in(self, pending: Awaitable[None], nbytes: int) -> None:
+        await pending
+        self.stats["bytes_in"] += nbytes
 
     async def read(self, jobs: Sequence[tuple[Any, ...]]) -> None:
         """Fill each flat uint8 buffer from its extents: one batched request per slab.

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from .. import defaults, memory
+from .._runtime.reactor import get_reactor
 from ..exceptions import DeviceError
 from ._alloc import ALIGN, round_up
 from ._errors import (
@@ -951,6 +952,8 @@ class TieredStore:
             return
         dirty_now = self._dirty_candidates(budget - self._clean_bytes + 2 * self.clean_batch)
         per_batch = min(self.clean_batch, max(budget // 2, 1))
+        loop = asyncio.get_running_loop()
+        started = False
         i = 0
         while i < len(dirty_now) and (self._clean_bytes < budget or len(self._cleaners) < 2):
             room = min(max(budget - self._clean_bytes, 0), per_batch)
@@ -969,10 +972,36 @@ class TieredStore:
                 e.moving = True
                 e.refs += 1
             self._clean_bytes += total
-            task = asyncio.get_running_loop().create_task(self._clean(batch))
+            # Where free space takes the batch, its write is queued here and
+            # handed to the kernel before returning: a caller that puts again
+            # without suspending (a host tier with clean values to drop) would
+            # otherwise leave the device idle until its next suspension.
+            exts = self._try_allocate(batch)
+            pending = None
+            if exts is not None:
+                pending = self._nvme.start_write(
+                    [(x, h.view(e.host, e.nbytes, True)) for x, e in zip(exts, batch)]  # type: ignore[arg-type]
+                )
+                started = True
+            task = loop.create_task(self._clean(batch, exts, pending))
             self._cleaners.add(task)
             self._tasks.add(task)
             task.add_done_callback(lambda t, total=total: self._cleaned(t, total))  # type: ignore[misc]
+        if started:
+            get_reactor(loop).flush_now()
+
+    def _try_allocate(self, batch: list[Entry]) -> list[Extents] | None:
+        """NVMe extents for each entry of a write-behind batch from free space,
+        without waiting; None (nothing allocated) where one needs a slab to grow."""
+        exts: list[Extents] = []
+        for e in batch:
+            x = self._nvme.try_allocate(e.nbytes, e.host)  # type: ignore[arg-type]
+            if x is None:
+                for got in exts:
+                    self._nvme.free(got)
+                return None
+            exts.append(x)
+        return exts
 
     def _dirty_candidates(self, want: int) -> list[Entry]:
         """Dirty host values that can be written now, oldest put first, about
@@ -1007,16 +1036,26 @@ class TieredStore:
             return  # no retry from here (a full disk would spin): the next put or eviction tries
         self._kick_cleaner()
 
-    async def _clean(self, dirty: list[Entry]) -> None:
-        """Write one write-behind batch (its entries are marked moving and referenced)."""
+    async def _clean(
+        self,
+        dirty: list[Entry],
+        got: list[Extents] | None = None,
+        pending: Awaitable[None] | None = None,
+    ) -> None:
+        """Write one write-behind batch (its entries are marked moving and
+        referenced); ``got`` and ``pending``: its extents and its write, where
+        :meth:`_kick_cleaner` started it already."""
         h = self._host
-        exts: list[Extents] = []
+        exts: list[Extents] = got if got is not None else []
         try:
-            for e in dirty:
-                exts.append(await self._nvme.allocate(e.nbytes, e.host))  # type: ignore[arg-type]
-            await self._nvme.write(
-                [(x, h.view(e.host, e.nbytes, True)) for x, e in zip(exts, dirty)]  # type: ignore[arg-type]
-            )
+            if pending is not None:
+                await pending
+            else:
+                for e in dirty:
+                    exts.append(await self._nvme.allocate(e.nbytes, e.host))  # type: ignore[arg-type]
+                await self._nvme.write(
+                    [(x, h.view(e.host, e.nbytes, True)) for x, e in zip(exts, dirty)]  # type: ignore[arg-type]
+                )
         except BaseException:
             for x in exts:
                 self._nvme.free(x)
