@@ -66,7 +66,15 @@ def _state(rank: int, nbytes: int) -> dict[str, Any]:
 
 
 def _worker(
-    rank: int, world: int, port: str, base: str, per_rank: int, threads: list[int], out: str, repeat: int = 1
+    rank: int,
+    world: int,
+    port: str,
+    base: str,
+    per_rank: int,
+    threads: list[int],
+    out: str,
+    repeat: int = 1,
+    settle: float = 0.0,
 ) -> None:
     import torch
     import torch.distributed as dist
@@ -85,6 +93,7 @@ def _worker(
         dist.barrier()
         if rank == 0:
             res["cold"] = drop_caches() is None and res["cold"]
+            time.sleep(settle)  # the disk's own write-back of what came before (see --settle)
         dist.barrier()
         t0 = time.perf_counter()
         fn()
@@ -197,12 +206,23 @@ def _free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def run(world: int, size: int, threads: list[int], parent: str | None, repeat: int = 1) -> dict[str, Any]:
+def run(
+    world: int, size: int, threads: list[int], parent: str | None, repeat: int = 1, settle: float = 0.0
+) -> dict[str, Any]:
     base = tempfile.mkdtemp(prefix="aionvme-dcp-", dir=parent)
     try:
         out = os.path.join(base, "result.json")
         port = _free_port()
-        args = [str(world), port, base, str(size // world), ",".join(map(str, threads)), out, str(repeat)]
+        args = [
+            str(world),
+            port,
+            base,
+            str(size // world),
+            ",".join(map(str, threads)),
+            out,
+            str(repeat),
+            str(settle),
+        ]
         procs = [
             subprocess.Popen([sys.executable, __file__, "--worker", str(r), *args]) for r in range(world)
         ]
@@ -219,8 +239,10 @@ def run(world: int, size: int, threads: list[int], parent: str | None, repeat: i
                 w, r = [], []
                 for bs, qd in FIO_POINTS:
                     drop_caches()
+                    time.sleep(settle)
                     w.append(_fio(fio_dir, "write", world, size // world, bs, qd))
                     drop_caches()
+                    time.sleep(settle)
                     r.append(_fio(fio_dir, "read", world, size // world, bs, qd))
                 writes.append(min(w))
                 reads.append(min(r))
@@ -280,7 +302,7 @@ def report(results: list[dict[str, Any]], threads: list[int]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--worker":
-        rank, world, port, base, per_rank, threads, out, repeat = argv[1:9]
+        rank, world, port, base, per_rank, threads, out, repeat, settle = argv[1:10]
         _worker(
             int(rank),
             int(world),
@@ -290,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             [int(t) for t in threads.split(",")],
             out,
             int(repeat),
+            float(settle),
         )
         return 0
     from aionvme.defaults import parse_size
@@ -302,11 +325,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--repeat", type=int, default=1, help="saves per writer, in alternating order; medians are reported"
     )
+    ap.add_argument(
+        "--settle",
+        type=float,
+        default=2.0,
+        help="seconds of idle before every timed step, after the sync and cache drop (default 2): "
+        "the virtual disk of bench/README.md goes on writing back what the step before wrote "
+        "(and discarding what it deleted) after the guest's sync returns, so without a pause "
+        "a step pays for its predecessor",
+    )
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     size = parse_size(a.size)
     threads = [int(t) for t in a.torch_threads.split(",")]
-    results = [run(int(w), size, threads, a.dir, a.repeat) for w in a.ranks.split(",")]
+    results = [run(int(w), size, threads, a.dir, a.repeat, a.settle) for w in a.ranks.split(",")]
     print(json.dumps(results, indent=1) if a.json else report(results, threads))
     return 0
 

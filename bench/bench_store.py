@@ -73,6 +73,17 @@ def median_run(runs: list[dict[str, Any]], key: str = "ratio") -> dict[str, Any]
     }
 
 
+# Seconds of idle before each timed side of a comparison (--settle): the virtual
+# disk of bench/README.md goes on writing back (and discarding) what came before
+# after the guest's sync returns, so a side that starts at once pays for it.
+SETTLE = 0.0
+
+
+def _quiet() -> None:
+    os.sync()
+    time.sleep(SETTLE)
+
+
 def _values(n: int, size: int) -> list[np.ndarray]:
     rng = np.random.default_rng(0)
     base = rng.integers(0, 256, size, dtype=np.uint8)
@@ -88,9 +99,11 @@ async def nvme_get(d: str, size: int, total: int, drop: bool, fio_first: bool = 
         if fio_first:  # this disk has burst credit: who runs first after a pause gains, so alternate
             if drop:
                 drop_caches()
+            _quiet()
             ref = fio(slab, "read", size, n * size)
         if drop:
             drop_caches()
+        _quiet()
         t0 = time.perf_counter()
         for i in range(n):
             got = await s.get(i)
@@ -99,18 +112,36 @@ async def nvme_get(d: str, size: int, total: int, drop: bool, fio_first: bool = 
             raise SystemExit("nvme-get: wrong bytes")
         store = n * size / dt / GB
         if not fio_first:
+            if drop:
+                drop_caches()
+            _quiet()
             ref = fio(slab, "read", size, n * size)
     return {"size": size, "n": n, "store_GBps": store, "fio_GBps": ref, "ratio": store / ref if ref else None}
 
 
-async def put_evict(d: str, size: int, total: int, host_values: int = 2) -> dict[str, Any]:
+def _fio_write(d: str, size: int, nbytes: int) -> float | None:
+    _quiet()
+    path = os.path.join(d, "fio-write.bin")
+    try:
+        return fio(path, "write", size, nbytes)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+async def put_evict(
+    d: str, size: int, total: int, host_values: int = 2, fio_first: bool = False
+) -> dict[str, Any]:
     """Puts into a host tier of ``host_values`` values: once it is full, every put evicts one.
     At least twice the tier's values are put, so the write-behind reaches its steady state."""
     n = max(4, total // size, 2 * host_values)
     vals = _values(min(n, 8), size)
+    if fio_first:
+        ref = _fio_write(d, size, n * size)
     async with nvme.TieredStore(d, host=host_values * size + 4096) as s:
         for i in range(host_values + 2):  # warm-up: the tier fills, the slab grows
             await s.put(("w", i), vals[i % len(vals)])
+        _quiet()
         st0 = s.stats()
         t0 = time.perf_counter()
         for i in range(n):
@@ -122,10 +153,8 @@ async def put_evict(d: str, size: int, total: int, host_values: int = 2) -> dict
         # write-behind may still owe some writes when the last put returns:
         # count the slower of the put rate and the rate bytes reached NVMe
         store = min(n * size, written) / dt / GB
-        path = os.path.join(d, "fio-write.bin")
-        ref = fio(path, "write", size, n * size)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+    if not fio_first:
+        ref = _fio_write(d, size, n * size)
     return {
         "size": size,
         "n": n,
@@ -429,6 +458,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--repeat", type=int, default=3, help="alternated runs of nvme-get, put-evict and deepspeed (medians)"
     )
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=1.0,
+        help="seconds of idle (after a sync) before each timed side of nvme-get and put-evict (default 1)",
+    )
     p.add_argument("--no-deepspeed", action="store_true")
     p.add_argument(
         "--ds-build",
@@ -440,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.quick:
         a.sizes, a.total, a.host, a.sweep_size, a.passes, a.repeat = "1M,4M", "32M", "8M", "1M", 2, 1
+    global SETTLE
+    SETTLE = 0.0 if a.quick else a.settle
     sizes = [parse_size(x) for x in a.sizes.split(",")]
     total = parse_size(a.total)
     base = tempfile.mkdtemp(prefix="aionvme-bench-store-", dir=local_scratch_dir(a.dir))
@@ -454,12 +491,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nvme-get   (tier NVMe only, cold; median of {a.repeat}):  size  store GB/s  fio GB/s  ratio")
         for r in res["nvme_get"]:
             _row(r)
-        res["put_evict"] = [median_run([asyncio.run(put_evict(base, s, total)) for _ in rep]) for s in sizes]
+        res["put_evict"] = [
+            median_run([asyncio.run(put_evict(base, s, total, 2, fio_first=bool(i % 2))) for i in rep])
+            for s in sizes
+        ]
         print(f"put-evict  (2-value host tier; median of {a.repeat}):      size  store GB/s  fio GB/s  ratio")
         for r in res["put_evict"]:
             _row(r)
         res["put_evict_16"] = [
-            median_run([asyncio.run(put_evict(base, s, total, 16)) for _ in rep]) for s in sizes
+            median_run([asyncio.run(put_evict(base, s, total, 16, fio_first=bool(i % 2))) for i in rep])
+            for s in sizes
         ]
         print(f"put-evict  (16-value host tier; median of {a.repeat}):     size  store GB/s  fio GB/s  ratio")
         for r in res["put_evict_16"]:
