@@ -505,8 +505,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"put-evict  (16-value host tier; median of {a.repeat}):     size  store GB/s  fio GB/s  ratio")
         for r in res["put_evict_16"]:
             _row(r)
-        reps = max(4, total // max(sizes) // 2)
-        res["host_hit"] = [asyncio.run(host_hit(base, s, reps)) for s in sizes]
+        # the same bytes per size (so a 1 MiB copy is timed over hundreds of
+        # calls, not the 8 that suit 64 MiB), at most 512 calls
+        res["host_hit"] = [asyncio.run(host_hit(base, s, max(4, min(512, total // s // 2)))) for s in sizes]
         print("host-hit:  size  get GB/s (fresh / out=)  memcpy GB/s (fresh / into)  ratios  µs/call 4K")
         for r in res["host_hit"]:
             print(
