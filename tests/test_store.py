@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import gc
 import os
 
 import numpy as np
@@ -235,6 +236,34 @@ async def test_a_write_behind_is_in_the_engine_when_the_put_that_started_it_retu
         for i in range(6):
             assert np.array_equal(await s.get(i), vals[i])
         assert s.stats()["host"]["evictions"] >= 2
+
+
+async def test_a_write_behind_cancelled_before_it_ran_leaves_nothing_unawaited(tmp_path, recwarn):
+    """The write a put started for the write-behind is awaited by a task; a
+    task cancelled before its first step (a loop shutting down) never awaits
+    it: its coroutine must not be left for the garbage collector to warn
+    about, nor its values pinned in the host tier."""
+    mib = 1 << 20
+    vals = [np.random.default_rng(i).integers(0, 256, mib, dtype=np.uint8) for i in range(3)]
+    vals.append(np.random.default_rng(3).integers(0, 256, 5 * mib // 2, dtype=np.uint8))
+    s = TieredStore(tmp_path, host=3 * mib + 64 * KiB, nvme="64M")
+    for i in range(3):
+        await s.put(i, vals[i])
+    cleaners = list(s._cleaners)
+    assert cleaners
+    for t in cleaners:
+        t.cancel()  # before it ran: the put returned without suspending
+    await asyncio.wait(cleaners)
+    await asyncio.sleep(0.2)  # the writes themselves go on to their end
+    del cleaners, t  # the tasks hold their coroutines, and those what they were given
+    gc.collect()
+    # the values it was to write are not pinned: a put that needs their room
+    # evicts them (written anew)
+    await asyncio.wait_for(s.put(3, vals[3]), 10)
+    for i in range(4):
+        assert np.array_equal(await s.get(i), vals[i])
+    await s.close()
+    assert [str(w.message) for w in recwarn if "never awaited" in str(w.message)] == []
 
 
 async def test_put_many_get_many(tmp_path):

@@ -30,7 +30,7 @@ import contextlib
 import errno
 import os
 import secrets
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 import numpy as np
@@ -407,33 +407,36 @@ class NvmeTier:
                 per.setdefault(i, []).append((raw[boff : boff + ln], off))
         return per
 
-    def _start(self, jobs: Sequence[tuple[Any, ...]], write: bool) -> Awaitable[None]:
-        """Queue the requests of ``jobs`` on the running loop's engine now
-        (one per slab); the awaitable ends when all of them have."""
+    def _submit(self, jobs: Sequence[tuple[Any, ...]], write: bool) -> tuple[list[Awaitable[Any]], Any]:
+        """Queue the requests of ``jobs`` on the running loop's engine now,
+        one per slab: their transfers, and what they were made of (the
+        buffers must outlive them)."""
         per = self._items(jobs, write)
         if write:
             block = defaults.bulk_write_block()
             futs = [_file.pwrite_many(items, self._file_of(i), block_size=block) for i, items in per.items()]
         else:
             futs = [self._file_of(i).pread_many(items) for i, items in per.items()]
-        return _all_of(futs, per)
+        return futs, per
 
     async def _run(self, jobs: Sequence[tuple[Any, ...]], write: bool) -> None:
-        await self._start(jobs, write)
+        futs, per = self._submit(jobs, write)
+        await _all_of(futs, per)
 
     async def write(self, jobs: Sequence[tuple[Extents, Any]]) -> None:
         """Write each (extents, flat uint8 buffer): one batched request per slab."""
         await self.start_write(jobs)
 
-    def start_write(self, jobs: Sequence[tuple[Extents, Any]]) -> Awaitable[None]:
+    def start_write(self, jobs: Sequence[tuple[Extents, Any]]) -> Coroutine[Any, Any, None]:
         """:meth:`write`, with its requests queued on the engine at this call
         rather than when the result is first awaited; the buffers must stay
-        untouched until it ends."""
-        pending = self._start(jobs, True)
-        return self._count_in(pending, sum(n for ext, _ in jobs for *_, n in ext))
+        untouched until it ends. A result that is never awaited may be
+        closed: the writes go on to their end regardless."""
+        futs, per = self._submit(jobs, True)
+        return self._written(futs, per, sum(n for ext, _ in jobs for *_, n in ext))
 
-    async def _count_in(self, pending: Awaitable[None], nbytes: int) -> None:
-        await pending
+    async def _written(self, futs: list[Awaitable[Any]], keep: Any, nbytes: int) -> None:
+        await _all_of(futs, keep)
         self.stats["bytes_in"] += nbytes
 
     async def read(self, jobs: Sequence[tuple[Any, ...]]) -> None:

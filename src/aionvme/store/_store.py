@@ -6,9 +6,10 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import inspect
 import os
 import warnings
-from collections.abc import Awaitable, Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -986,7 +987,9 @@ class TieredStore:
             task = loop.create_task(self._clean(batch, exts, pending))
             self._cleaners.add(task)
             self._tasks.add(task)
-            task.add_done_callback(lambda t, total=total: self._cleaned(t, total))  # type: ignore[misc]
+            task.add_done_callback(
+                lambda t, total=total, b=batch, p=pending: self._cleaned(t, total, b, p)  # type: ignore[misc]
+            )
         if started:
             get_reactor(loop).flush_now()
 
@@ -1024,11 +1027,27 @@ class TieredStore:
             del self._dirty[e]
         return got
 
-    def _cleaned(self, t: asyncio.Task[None], nbytes: int) -> None:
+    def _cleaned(
+        self,
+        t: asyncio.Task[None],
+        nbytes: int,
+        batch: list[Entry] | None = None,
+        pending: Coroutine[Any, Any, None] | None = None,
+    ) -> None:
         self._tasks.discard(t)
         self._cleaners.discard(t)
         self._clean_bytes -= nbytes
         if t.cancelled():
+            if pending is not None and inspect.getcoroutinestate(pending) == inspect.CORO_CREATED:
+                # cancelled before it ran (a loop shutting down): _clean's own
+                # cleanup never ran. The write goes on unawaited, so its extents
+                # stay allocated (it may still land there) and the values stay
+                # dirty, but they are no longer pinned.
+                pending.close()
+                for e in batch or ():
+                    e.moving = False
+                    self._unref_host(e)
+                self._host.notify()
             return
         if t.exception() is not None:
             self.errors.append(t.exception())  # type: ignore[arg-type]
@@ -1040,7 +1059,7 @@ class TieredStore:
         self,
         dirty: list[Entry],
         got: list[Extents] | None = None,
-        pending: Awaitable[None] | None = None,
+        pending: Coroutine[Any, Any, None] | None = None,
     ) -> None:
         """Write one write-behind batch (its entries are marked moving and
         referenced); ``got`` and ``pending``: its extents and its write, where
