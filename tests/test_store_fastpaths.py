@@ -263,3 +263,80 @@ async def test_put_to_nvme_in_a_persistent_store_survives_reopening(tmp_path):
         assert np.array_equal(await s.get("a"), np.arange(1000.0))
         assert torch.equal(await s.get("b"), torch.arange(7))
         assert np.array_equal(await s.get("c"), np.ones(5000, np.int8))
+
+
+# -- fresh results in recycled memory ---------------------------------------------------------
+
+
+@pytest.fixture
+def recycling():
+    """A pool emptied before and after the test (it is process-wide)."""
+    from aionvme.memory import recycle_limit
+
+    limit, _ = recycle_limit()
+    recycle_limit(0)
+    recycle_limit(limit)
+    yield recycle_limit
+    recycle_limit(0)
+    recycle_limit(limit)
+
+
+def test_a_recycled_buffer_takes_the_memory_of_one_freed_before_it(recycling):
+    from aionvme._engine import AlignedBuffer, counters
+
+    base = counters()["aligned_bytes"]
+    a = AlignedBuffer(3 * MiB + 5, recycle=True)
+    addr = a.address
+    np.frombuffer(memoryview(a), np.uint8)[:] = 7
+    del a
+    assert recycling()[1] == 3 * MiB + 4096  # kept, page-rounded, and not counted as live
+    assert counters()["aligned_bytes"] == base
+    other = AlignedBuffer(2 * MiB, recycle=True)
+    assert other.address != addr  # another size: a new mapping
+    b = AlignedBuffer(3 * MiB + 5, recycle=True)
+    assert b.address == addr and recycling()[1] == 0
+    assert np.frombuffer(memoryview(b), np.uint8)[:4].tolist() == [7] * 4  # old bytes: not zeroed
+    c = AlignedBuffer(3 * MiB + 5)  # not recycled: fresh and zero-filled, and unmapped when freed
+    assert not np.frombuffer(memoryview(c), np.uint8).any()
+    del b, c, other
+    assert recycling()[1] == 5 * MiB + 4096
+
+
+def test_recycling_keeps_no_more_than_its_limit_and_never_hooked_memory(recycling):
+    from aionvme._engine import AlignedBuffer
+
+    recycling(4 * MiB)
+    bufs = [AlignedBuffer(MiB, recycle=True) for _ in range(6)]
+    del bufs
+    assert recycling() == (4 * MiB, 4 * MiB)  # two of the six were unmapped
+    hooked = AlignedBuffer(2 * MiB, recycle=True)
+    calls = []
+    hooked.set_release_hook(calls.append)  # e.g. registered with CUDA: its pages must go
+    del hooked
+    assert len(calls) == 1 and recycling()[1] == 4 * MiB
+    assert recycling(MiB) == (MiB, MiB)  # lowering the limit unmaps what is over it
+    assert not AlignedBuffer(8 * MiB, recycle=True, lock=False).locked
+
+
+async def test_nvme_gets_land_in_recycled_memory_with_their_own_bytes(tmp_path, recycling):
+    vals = {k: np.random.default_rng(k).integers(0, 256, 5 * MiB, dtype=np.uint8) for k in range(4)}
+    tens = {k: torch.randn(MiB // 4 + k) for k in range(2)}  # 1 MiB and a few bytes: a phase-placed span
+    async with TieredStore(tmp_path, host=0) as s:
+        await s.put_many({**vals, **{("t", k): v for k, v in tens.items()}})
+        first = await s.get(0)
+        page = first.ctypes.data // 4096  # each value sits at its own phase in its first page
+        assert np.array_equal(first, vals[0])
+        del first  # its pages go back for the next result of the size
+        for k in (1, 2, 3, 0):
+            got = await s.get(k)
+            assert np.array_equal(got, vals[k])  # the memory of the one before, with this value's bytes
+            assert got.ctypes.data // 4096 == page
+            del got
+        for k, v in tens.items():
+            for _ in range(2):
+                got_t = await s.get(("t", k))
+                assert torch.equal(got_t, v) and got_t.data_ptr() % 4096 == v.data_ptr() % 4096
+                del got_t
+        many = await s.get_many(list(vals))  # all alive at once: each its own memory
+        assert len({m.ctypes.data for m in many}) == 4
+        assert all(np.array_equal(m, vals[k]) for k, m in zip(vals, many))

@@ -77,12 +77,73 @@ def buffer_info(object buf, bint writable=False):
     return <uintptr_t>addr, n
 
 
+# Mappings given back by AlignedBuffer(recycle=True) when their last user went,
+# kept for the next recycled buffer of the same mapped size: a result that is
+# read whole into such memory pays no page faults and no zeroing of fresh pages
+# (for a 64 MiB result here: ~23 ms of CPU per fresh mapping against ~1 ms).
+# Touched only with the GIL held (construction and deallocation).
+cdef enum:
+    _RECYCLE_SLOTS = 64
+cdef void *_recycled_ptr[_RECYCLE_SLOTS]
+cdef Py_ssize_t _recycled_size[_RECYCLE_SLOTS]
+cdef int _recycled_n = 0
+cdef Py_ssize_t _recycled_bytes = 0
+cdef Py_ssize_t _recycle_limit = 256 * 1024 * 1024
+
+
+cdef void *_recycled_take(Py_ssize_t mapped):
+    global _recycled_n, _recycled_bytes
+    cdef int i
+    cdef void *p
+    for i in range(_recycled_n - 1, -1, -1):   # the latest first: the warmest in cache
+        if _recycled_size[i] == mapped:
+            p = _recycled_ptr[i]
+            _recycled_n -= 1
+            _recycled_ptr[i] = _recycled_ptr[_recycled_n]
+            _recycled_size[i] = _recycled_size[_recycled_n]
+            _recycled_bytes -= mapped
+            return p
+    return NULL
+
+
+cdef bint _recycled_give(void *p, Py_ssize_t mapped):
+    global _recycled_n, _recycled_bytes
+    if _recycled_n >= _RECYCLE_SLOTS or _recycled_bytes + mapped > _recycle_limit:
+        return False
+    _recycled_ptr[_recycled_n] = p
+    _recycled_size[_recycled_n] = mapped
+    _recycled_n += 1
+    _recycled_bytes += mapped
+    return True
+
+
+def recycle_limit(object nbytes=None):
+    """The bytes of freed recycled buffers kept for reuse (default 256 MiB);
+    with ``nbytes``, set it first (0 keeps none), unmapping what is over it.
+    Returns the limit and the bytes kept now."""
+    global _recycle_limit, _recycled_n, _recycled_bytes
+    if nbytes is not None:
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        _recycle_limit = nbytes
+        while _recycled_n and _recycled_bytes > _recycle_limit:
+            _recycled_n -= 1
+            munmap(_recycled_ptr[_recycled_n], _recycled_size[_recycled_n])
+            _recycled_bytes -= _recycled_size[_recycled_n]
+    return _recycle_limit, _recycled_bytes
+
+
 cdef class AlignedBuffer:
     """Page-aligned, zero-filled memory with the buffer protocol.
 
     Backed by an anonymous mmap, so it is aligned for any O_DIRECT device and
     large ones can use transparent huge pages. numpy arrays and torch tensors
     made from it keep it alive.
+
+    ``recycle=True``: the memory may come from an earlier recycled buffer of
+    the same page-rounded size, with its old bytes (not zero-filled), and goes
+    back for reuse when this one is freed (up to :func:`recycle_limit`), so
+    only for memory the caller overwrites whole before anyone reads it.
     """
     cdef char *ptr
     cdef readonly Py_ssize_t nbytes
@@ -91,9 +152,10 @@ cdef class AlignedBuffer:
     cdef Py_ssize_t strides[1]
     cdef int exports
     cdef readonly bint locked
+    cdef readonly bint recycle
     cdef object release_hook
 
-    def __cinit__(self, Py_ssize_t nbytes, bint lock=False):
+    def __cinit__(self, Py_ssize_t nbytes, bint lock=False, bint recycle=False):
         cdef void *p
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
@@ -101,6 +163,14 @@ cdef class AlignedBuffer:
             raise MemoryError(f"cannot map {nbytes} bytes")
         self.nbytes = nbytes
         self.mapped = max(_PAGE, (nbytes + _PAGE - 1) // _PAGE * _PAGE)
+        self.recycle = recycle and not lock
+        if self.recycle:
+            p = _recycled_take(self.mapped)
+            if p != NULL:
+                self.ptr = <char *>p
+                aionvme_atomic_add(&_live_aligned, 1)
+                aionvme_atomic_add(&_live_aligned_bytes, self.mapped)
+                return
         with nogil:
             p = mmap(NULL, self.mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
         if p == MAP_FAILED:
@@ -129,7 +199,8 @@ cdef class AlignedBuffer:
         if hook is not None and self.ptr != NULL:
             hook(<uintptr_t>self.ptr)   # e.g. cudaHostUnregister: before the pages go
         if self.ptr != NULL:
-            munmap(self.ptr, self.mapped)
+            if not (self.recycle and hook is None and _recycled_give(self.ptr, self.mapped)):
+                munmap(self.ptr, self.mapped)
             self.ptr = NULL
             aionvme_atomic_add(&_live_aligned, -1)
             aionvme_atomic_add(&_live_aligned_bytes, -self.mapped)

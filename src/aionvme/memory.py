@@ -9,10 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from ._engine import AlignedBuffer
+from ._engine import AlignedBuffer, recycle_limit
 from ._runtime.pinned import pin
 
-__all__ = ["AlignedBuffer", "empty", "is_aligned", "torch_dtype"]
+__all__ = ["AlignedBuffer", "empty", "is_aligned", "recycle_limit", "torch_dtype"]
 
 
 def torch_dtype(dtype: Any) -> Any:
