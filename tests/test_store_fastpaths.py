@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import aionvme as nvme
 from aionvme.store import SyncTieredStore, TieredStore
 
 KiB = 1 << 10
@@ -319,7 +320,12 @@ def test_recycling_keeps_no_more_than_its_limit_and_never_hooked_memory(recyclin
 
 
 async def test_nvme_gets_land_in_recycled_memory_with_their_own_bytes(tmp_path, recycling):
-    vals = {k: np.random.default_rng(k).integers(0, 256, 5 * MiB, dtype=np.uint8) for k in range(4)}
+    def at_phase_16(k):  # the same phase for each: the same span, so the same recycled size
+        v = nvme.empty(5 * MiB + 4096)[16 : 16 + 5 * MiB]
+        v[:] = np.random.default_rng(k).integers(0, 256, 5 * MiB, dtype=np.uint8)
+        return v
+
+    vals = {k: at_phase_16(k) for k in range(4)}
     tens = {k: torch.randn(MiB // 4 + k) for k in range(2)}  # 1 MiB and a few bytes: a phase-placed span
     async with TieredStore(tmp_path, host=0) as s:
         await s.put_many({**vals, **{("t", k): v for k, v in tens.items()}})

@@ -10,7 +10,7 @@ import inspect
 import os
 import warnings
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -42,6 +42,9 @@ from ._values import (
     result_span,
     view_as,
 )
+
+# a mapping's key type is invariant: put_many takes dict[str, Tensor] through a TypeVar
+K = TypeVar("K", bound=Hashable)
 
 __all__ = ["TieredStore"]
 
@@ -788,7 +791,7 @@ class TieredStore:
         await self.put_many({key: value}, to=to, timeout=timeout)
 
     async def put_many(
-        self, items: Mapping[Hashable, Any], *, to: str | None = None, timeout: float | None = None
+        self, items: Mapping[K, Any], *, to: str | None = None, timeout: float | None = None
     ) -> None:
         """put each key and value; NVMe writes of the batch go as one request per slab."""
         if to not in (None, "host", "nvme"):

@@ -14,6 +14,7 @@ from ._store import TieredStore
 __all__ = ["SyncTieredStore"]
 
 T = TypeVar("T")
+K = TypeVar("K", bound=Hashable)
 
 
 class SyncTieredStore:
@@ -52,7 +53,7 @@ class SyncTieredStore:
         self._run(self.aio.put(key, value, to=to, timeout=timeout))
 
     def put_many(
-        self, items: Mapping[Hashable, Any], *, to: str | None = None, timeout: float | None = None
+        self, items: Mapping[K, Any], *, to: str | None = None, timeout: float | None = None
     ) -> None:
         self._run(self.aio.put_many(items, to=to, timeout=timeout))
 
