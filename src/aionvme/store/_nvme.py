@@ -52,9 +52,19 @@ PHASE_MIN = 256 << 10
 PHASE_UNIT = 16  # phases are multiples of this: any dtype's alignment (malloc gives 16)
 
 
+def _at_phase(ext: Extents, phase: int, nbytes: int) -> Extents:
+    """The extents of a value of nbytes placed ``phase`` bytes into the one
+    piece allocated for it (``nbytes + phase`` bytes), or ext for phase 0."""
+    if not phase:
+        return ext
+    ((i, off, _, _),) = ext
+    return [(i, off + phase, 0, nbytes)]
+
+
 async def _all_of(futs: list[Awaitable[Any]], keep: Any) -> None:
     """Await every request of one transfer; ``keep`` (the buffers the
-    requests were made of) stays referenced until they end."""
+    requests were made of) stays referenced, as this coroutine's argument,
+    until they end."""
     if len(futs) == 1:
         await futs[0]
         return
@@ -63,7 +73,6 @@ async def _all_of(futs: list[Awaitable[Any]], keep: Any) -> None:
     for r in results:
         if isinstance(r, BaseException):
             raise r
-    del keep
 
 
 def span(offset: int, nbytes: int) -> tuple[int, int]:
@@ -246,22 +255,14 @@ class NvmeTier:
         Raises StoreFullError (ENOSPC) when neither works.
         """
         phase = self.placement_phase(nbytes, phase)
-        if phase:
-            ((i, off, _, _),) = await self._allocate(nbytes + phase)
-            return [(i, off + phase, 0, nbytes)]
-        return await self._allocate(nbytes)
+        return _at_phase(await self._allocate(nbytes + phase), phase, nbytes)
 
     def try_allocate(self, nbytes: int, phase: int = 0) -> Extents | None:
         """:meth:`allocate` from free space only, without waiting: None where
         the value needs a slab to grow (or a compaction) first."""
         phase = self.placement_phase(nbytes, phase)
-        if phase:
-            got = self._try_alloc(nbytes + phase)
-            if got is None:
-                return None
-            ((i, off, _, _),) = got
-            return [(i, off + phase, 0, nbytes)]
-        return self._try_alloc(nbytes)
+        got = self._try_alloc(nbytes + phase)
+        return None if got is None else _at_phase(got, phase, nbytes)
 
     def placement_phase(self, nbytes: int, phase: int) -> int:
         """The phase :meth:`allocate` gives a value of nbytes written from

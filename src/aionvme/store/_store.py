@@ -983,9 +983,7 @@ class TieredStore:
             exts = self._try_allocate(batch)
             pending = None
             if exts is not None:
-                pending = self._nvme.start_write(
-                    [(x, h.view(e.host, e.nbytes, True)) for x, e in zip(exts, batch)]  # type: ignore[arg-type]
-                )
+                pending = self._nvme.start_write(self._clean_jobs(exts, batch))
                 started = True
             task = loop.create_task(self._clean(batch, exts, pending))
             self._cleaners.add(task)
@@ -995,6 +993,11 @@ class TieredStore:
             )
         if started:
             get_reactor(loop).flush_now()
+
+    def _clean_jobs(self, exts: list[Extents], batch: list[Entry]) -> list[tuple[Extents, Any]]:
+        """The NVMe tier's write jobs of a write-behind batch: each value's
+        host copy, in whole pages, to its extents."""
+        return [(x, self._host.view(e.host, e.nbytes, True)) for x, e in zip(exts, batch)]  # type: ignore[arg-type]
 
     def _try_allocate(self, batch: list[Entry]) -> list[Extents] | None:
         """NVMe extents for each entry of a write-behind batch from free space,
@@ -1075,9 +1078,7 @@ class TieredStore:
             else:
                 for e in dirty:
                     exts.append(await self._nvme.allocate(e.nbytes, e.host))  # type: ignore[arg-type]
-                await self._nvme.write(
-                    [(x, h.view(e.host, e.nbytes, True)) for x, e in zip(exts, dirty)]  # type: ignore[arg-type]
-                )
+                await self._nvme.write(self._clean_jobs(exts, dirty))
         except BaseException:
             for x in exts:
                 self._nvme.free(x)
