@@ -21,6 +21,15 @@ MiB = 1 << 20
 PAGE = 4096
 
 
+@pytest.fixture(autouse=True)
+def _zero_copy():  # type: ignore[no-untyped-def]
+    # These tests count bounce buffers to see the zero-copy path itself; with
+    # write_copy='auto' a write from memory the kernel placed scattered would
+    # (rightly) go through the engine's buffers instead (tests/test_write_copy.py).
+    with nvme.defaults.set(write_copy="never"):
+        yield
+
+
 def at_phase(nbytes: int, phase: int, seed: int) -> np.ndarray:
     """nbytes of random bytes whose first byte is ``phase`` bytes past a page."""
     raw = nvme.empty(nbytes + 2 * PAGE)

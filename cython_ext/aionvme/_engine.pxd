@@ -53,6 +53,7 @@ cdef enum:
     RF_NO_OVERLAP = 256      # batch-and-wait: next window after the last is reaped (overlap_events=False)
     RF_GDS = 512             # device memory through cuFile: CH_GDS_* chunks on workers, never bounced
     RF_RING_OK = 1024        # a buffered regular file or block device: io_uring may serve it
+    RF_COPY = 2048           # O_DIRECT writes: aligned chunks too go through the slot's bounce buffer
 
 
 cdef struct Seg:

@@ -51,6 +51,7 @@ cdef inline int64_t _now_ns() noexcept nogil:
 # Bounce copies up to this size run inline on the loop thread (a few µs);
 # larger ones go to a worker (see PH_*).
 cdef int64_t COPY_INLINE_MAX = 64 * 1024
+cdef int64_t HUGE_BOUNCE = 2 * 1024 * 1024   # bounce buffers this large get huge pages
 
 
 cdef inline void _free_bounce(Chunk *ch) noexcept nogil:
@@ -395,6 +396,13 @@ cdef class Engine:
             # byte there (MAX_LFS_FILESIZE is 2**63 - 1). Read the aligned part
             # that fits; the rest is past the end of any file: a short read.
             p.len = (_INT64_MAX - p.foff) - (_INT64_MAX - p.foff) % r.align
+        if ((r.flags & RF_COPY) and r.op == OP_WRITE and not p.bounce and not p.rmw and r.align > 1
+                and not (r.flags & RF_GDS)):
+            # The caller's pages may be scattered in physical memory: the kernel
+            # then builds requests of at most max_segments pages each (~1 MiB on
+            # virtio-blk) where the slot's own buffer, physically contiguous in
+            # long runs, goes out in requests of max_sectors_kb.
+            p.bounce = 1
         ch.seg = r.cur
         ch.foff = p.foff
         ch.len = p.len
@@ -422,7 +430,16 @@ cdef class Engine:
             if ch.bounce == NULL or ch.bounce_size < need:
                 _free_bounce(ch)
                 mem = NULL
-                if posix_memalign(&mem, 4096 if r.mem_align <= 4096 else r.mem_align, need) != 0:
+                if need >= HUGE_BOUNCE:
+                    # Huge pages where the kernel gives them: one physically
+                    # contiguous 2 MiB run is one segment of a request, so a
+                    # transfer goes to the device in requests of max_sectors_kb
+                    # (pages faulted by 4 KiB, by threads faulting at once, end
+                    # up scattered, and requests hold at most max_segments).
+                    if posix_memalign(&mem, HUGE_BOUNCE, need) != 0:
+                        return -ENOMEM
+                    madvise(mem, need - need % HUGE_BOUNCE, MADV_HUGEPAGE)   # a hint
+                elif posix_memalign(&mem, 4096 if r.mem_align <= 4096 else r.mem_align, need) != 0:
                     return -ENOMEM
                 ch.bounce = <char *>mem
                 ch.bounce_size = need

@@ -10,6 +10,7 @@ cdef int64_t _MAX_RW_COUNT = 0x7ffff000
 
 MODE_SINGLE_SUBMIT = 1   # Engine.read/write mode bits
 MODE_NO_OVERLAP = 2
+MODE_COPY = 4            # writes: every chunk through the engine's own buffers (see RF_COPY)
 
 
 def open_handles():
@@ -342,6 +343,8 @@ cdef Request _new_request(FileHandle f, int op, int nsegs, int64_t block, int ma
         req.c.flags |= RF_SINGLE_SUBMIT
     if mode & MODE_NO_OVERLAP:
         req.c.flags |= RF_NO_OVERLAP
+    if mode & MODE_COPY:
+        req.c.flags |= RF_COPY
     if nsegs <= 1:
         req.c.segs = &req.seg0
         req.views = &req.view0

@@ -9,6 +9,7 @@ WORKER_POOL: int
 PAGE_SIZE: int
 MODE_SINGLE_SUBMIT: int
 MODE_NO_OVERLAP: int
+MODE_COPY: int
 
 def open_handles() -> int: ...
 def counters() -> dict[str, Any]: ...

@@ -54,6 +54,13 @@ gpu_block_size AIONVME_GPU_BLOCK_SIZE  bytes per cuFile call (calls run in
 pinned_pool    AIONVME_PINNED_POOL     bytes of pinned host memory for bounce
                                        buffers, per process (allocated once,
                                        kept under RLIMIT_MEMLOCK)
+write_copy     AIONVME_WRITE_COPY      O_DIRECT writes of items of 4 MiB and
+                                       more: ``auto`` (through the engine's
+                                       huge-page buffers when the memory is
+                                       scattered in physical memory, which
+                                       only a process with CAP_SYS_ADMIN can
+                                       see), ``always`` or ``never`` (straight
+                                       from the caller's memory)
 ============== ======================= ========================================
 
 Engine-shaping settings (queue_depth, threads, engine, ring_reap, submit_ramp) apply to
@@ -91,11 +98,12 @@ __all__ = [
 
 _ENGINES = ("auto", "uring", "aio", "thread")
 _GPU_PATHS = ("auto", "gds", "bounce")
+_WRITE_COPY = ("auto", "always", "never")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZES = frozenset({"block_size", "submit_budget", "inflight_bytes", "gpu_block_size", "pinned_pool"})
 _INTS = frozenset({"queue_depth", "threads", "max_inflight", "submit_batch", "submit_ramp"})
 _BOOLS = frozenset({"direct", "ring_reap", "single_submit", "overlap_events"})
-_CHOICES = {"engine": _ENGINES, "gpu_path": _GPU_PATHS}
+_CHOICES = {"engine": _ENGINES, "gpu_path": _GPU_PATHS, "write_copy": _WRITE_COPY}
 _BLOCK = 4096  # chunks are whole 4 KiB blocks: aligned for O_DIRECT on every device we know
 # (lowest, highest) of each integer setting; None: unbounded.
 _RANGES: dict[str, tuple[int, int | None]] = {
@@ -257,6 +265,7 @@ class Settings:
     gpu_path: str = "auto"
     gpu_block_size: int = 4 << 20
     pinned_pool: int = 64 << 20
+    write_copy: str = "auto"
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -16,7 +16,7 @@ from typing import Any
 
 from . import defaults
 from ._engine import hub_transfer
-from ._runtime import transfer
+from ._runtime import scatter, transfer
 from ._runtime.blocking import thread_engine
 from ._runtime.opening import FS_NAMES, FileBase, OpenInfo, PathLike, open_handle, parse_mode
 from ._runtime.reactor import REACTOR_ATTR, failed, get_reactor
@@ -153,6 +153,9 @@ class File(FileBase):
         cached_for, p = self._p
         if cached_for is not defaults.settings:
             p = self._params()
+        h = self._h
+        if h is not None and h.direct:
+            p = scatter.params_for(h.fd, True, ((buf, offset),), p)
         t = hub_transfer(REACTOR_ATTR, self, buf, offset, p, True)
         return t if t is not None else transfer.submit_file(WRITE, self, buf, offset, p)
 

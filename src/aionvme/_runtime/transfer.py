@@ -23,7 +23,7 @@ from typing import Any
 from .. import _engine, defaults
 from .._engine import MODE_NO_OVERLAP, MODE_SINGLE_SUBMIT, Engine, FileHandle, Request
 from ..exceptions import CuFileError, ShortReadError, UnsupportedOperation
-from . import bounce, cufile
+from . import bounce, cufile, scatter
 from .blocking import run as drive_request
 from .cuda import Params, any_cuda, helper, is_cuda, require_cuda
 from .opening import FileBase, handle_for
@@ -84,10 +84,14 @@ def make(eng: Engine, op: int, fh: FileHandle, data: Any, offset: int, p: Params
     if op == READ:
         return eng.read(fh, data, offset, *p)
     if op == WRITE:
+        if fh.direct:
+            p = scatter.params_for(fh.fd, True, ((data, offset),), p)
         return eng.write(fh, data, offset, *p)
     if op == READV:
         return eng.readv(fh, data, *p)
     if op == WRITEV:
+        if fh.direct:
+            p = scatter.params_for(fh.fd, True, data, p)
         return eng.writev(fh, data, *p)
     return eng.fsync(fh, op == FDATASYNC)
 
@@ -141,6 +145,8 @@ def submit(
             if op == READ:
                 req = r.engine.read(fh, data, offset, p[0], p[1], p[2])
             else:
+                if fh.direct:
+                    p = scatter.params_for(fh.fd, True, ((data, offset),), p)
                 req = r.engine.write(fh, data, offset, p[0], p[1], p[2])
         else:
             if op in (READV, WRITEV):
