@@ -23,6 +23,11 @@ Each writer first saves a tiny state dict untimed (a process's first save pays
 DCP's imports and first planning); ``--repeat N`` saves N times per writer in
 alternating order (ours first, then ours last: this disk writes faster after a
 pause) and reports medians.
+Rank 0 also reads the device's counters around every step (the whole device:
+run it idle) and prints the median KiB per device request of each writer and
+reader: memory scattered in physical memory makes small requests (see
+``write_copy`` in README.md; ``AIONVME_WRITE_COPY=never`` in the environment
+turns the copy off for an A/B).
 Prints a Markdown table (``--json`` for the raw figures).
 
     python3 bench/bench_dcp.py --repeat 3                     # the figures in bench/README.md
@@ -44,6 +49,7 @@ import warnings
 from typing import Any
 
 from aionvme.bench import drop_caches
+from aionvme.bench.peers import disk_figures, disk_stats
 
 TENSOR = 32 << 20  # bytes per tensor (the last ones of a rank smaller), plus small ones
 
@@ -95,11 +101,17 @@ def _worker(
             res["cold"] = drop_caches() is None and res["cold"]
             time.sleep(settle)  # the disk's own write-back of what came before (see --settle)
         dist.barrier()
+        disk0 = disk_stats(base) if rank == 0 else None
         t0 = time.perf_counter()
         fn()
         dist.barrier()
-        res.setdefault(name + "_all", []).append(time.perf_counter() - t0)
+        wall = time.perf_counter() - t0
+        res.setdefault(name + "_all", []).append(wall)
         res[name] = statistics.median(res[name + "_all"])
+        if rank == 0:  # the sizes of the requests the device saw (the whole device: run it idle)
+            fig = disk_figures(disk0, disk_stats(base), wall)
+            side = "write" if name.startswith("save") else "read"
+            res.setdefault(name + "_kib", []).append(fig.get(f"dev_{side}_kib_per_request", 0.0))
 
     def clean(path: str) -> None:
         dist.barrier()
@@ -293,6 +305,10 @@ def report(results: list[dict[str, Any]], threads: list[int]) -> str:
         if any(len(v) > 1 for v in runs.values()):
             each = ", ".join(f"{k} " + "/".join(f"{x:.2f}" for x in v) for k, v in runs.items())
             lines.append(f"\n{r['ranks']} ranks, every save (s; medians above): {each}")
+        kib = {k[: -len("_kib")]: v for k, v in r.items() if k.endswith("_kib") and v}
+        if kib:
+            each = ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in kib.items())
+            lines.append(f"\n{r['ranks']} ranks, KiB per device request (median): {each}")
     cold = all(r["cold"] for r in results)
     lines.append("")
     lines.append("page cache dropped before every step" if cold else "page cache NOT dropped (not root)")

@@ -235,7 +235,10 @@ class Writer(StorageWriter, Stager):
     it, at file offsets that agree with their addresses modulo 4 KiB, so
     tensors at any address are written without a copy (one that is not
     contiguous, or not on the CPU, is first copied into page-aligned memory);
-    everything else from page-aligned buffers. The file
+    everything else from page-aligned buffers. Where the process can see
+    that a tensor's pages are scattered in physical memory, its writes go
+    through the engine's huge-page buffers instead, in fewer, larger device
+    requests (``aionvme.defaults`` ``write_copy``). The file
     is fsynced, then the directory. The coordinator then writes ``.metadata``
     atomically: a crash at any point leaves the previous checkpoint in
     ``path`` loadable, or the new one complete.
