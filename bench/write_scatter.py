@@ -117,9 +117,8 @@ if __name__ == "__main__":
     srcs = sources(nbytes)
     modes = args.modes.split(",")
     runs: dict[tuple[str, str], list[dict[str, float]]] = {}
-    print(
-        f"{nvme.__name__}: {nbytes >> 20} MiB per write into {d}; limits {scatter.device_limits(os.stat(d).st_dev)}"
-    )
+    limits = scatter.device_limits(os.stat(d).st_dev)
+    print(f"{nvme.__name__}: {nbytes >> 20} MiB per write into {d}; (max_segments, max bytes) {limits}")
     for name, (items, _) in srcs.items():
         print(f"  {name}: {predicted(items, path)}")
     for r in range(args.rounds):
