@@ -141,6 +141,8 @@ def _address(buf: Any) -> tuple[int, int]:
         import torch
 
         if isinstance(buf, torch.Tensor):
+            if buf.device.type != "cpu":
+                raise ValueError("not host memory")  # device memory has no pages here
             return buf.data_ptr(), buf.numel() * buf.element_size()
     return buffer_info(buf)
 
