@@ -128,3 +128,20 @@ async def test_auto_copies_scattered_memory_and_nothing_else(tmp_path):
     finally:
         del a
         m.close()
+
+
+def test_small_writes_are_never_checked_and_always_copies_them(tmp_path):
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        p = (1 << 20, 0, 0)
+        small = [nvme.empty(64 * 1024), torch.zeros(1024), b"x" * 4096, bytearray(100), memoryview(b"ab")]
+        for buf in small:
+            assert scatter.params_for_one(fd, buf, p) == p
+        assert scatter.params_for(fd, True, [(b, 0) for b in small], p) == p
+        with nvme.defaults.set(write_copy="always"):
+            for buf in small:
+                assert scatter.params_for_one(fd, buf, p)[2] & MODE_COPY
+        with nvme.defaults.set(write_copy="never"):
+            assert scatter.params_for_one(fd, nvme.empty(8 * MiB), p) == p
+    finally:
+        os.close(fd)

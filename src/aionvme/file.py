@@ -155,7 +155,7 @@ class File(FileBase):
             p = self._params()
         h = self._h
         if h is not None and h.direct:
-            p = scatter.params_for(h.fd, True, ((buf, offset),), p)
+            p = scatter.params_for_one(h.fd, buf, p)
         t = hub_transfer(REACTOR_ATTR, self, buf, offset, p, True)
         return t if t is not None else transfer.submit_file(WRITE, self, buf, offset, p)
 

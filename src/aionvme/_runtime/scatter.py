@@ -23,6 +23,7 @@ default) the large items of each O_DIRECT write are sampled in
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import sys
 import threading
@@ -33,7 +34,7 @@ import numpy as np
 from .. import defaults
 from .._engine import MODE_COPY, buffer_info
 
-__all__ = ["device_limits", "params_for", "request_bytes", "requests_of"]
+__all__ = ["device_limits", "params_for", "params_for_one", "request_bytes", "requests_of"]
 
 PAGE = 4096
 CHECK_MIN = 4 << 20  # items smaller than this are never checked (nor worth a copy)
@@ -45,6 +46,8 @@ _lock = threading.Lock()
 _pagemap: int | None = None  # fd of /proc/self/pagemap; -1: unusable here
 _pagemap_file = -1  # the fd, kept to close in a forked child
 _limits: dict[int, tuple[int, int] | None] = {}
+_first = operator.itemgetter(0)
+_nbytes = operator.attrgetter("nbytes")  # numpy arrays, torch tensors, memoryviews
 
 
 def device_limits(st_dev: int) -> tuple[int, int] | None:
@@ -149,6 +152,17 @@ def _address(buf: Any) -> tuple[int, int]:
     return buffer_info(buf)
 
 
+def params_for_one(fd: int, buf: Any, p: tuple[int, int, int]) -> tuple[int, int, int]:
+    """:func:`params_for` of a write of one buffer to an O_DIRECT file, with the
+    common case (a small buffer, no copy asked for) first: ~0.2 µs."""
+    n = getattr(buf, "nbytes", None)
+    if n is None and isinstance(buf, (bytes, bytearray)):
+        n = len(buf)
+    if type(n) is int and n < CHECK_MIN and defaults.settings.write_copy != "always":
+        return p
+    return params_for(fd, True, ((buf, 0),), p)
+
+
 def params_for(fd: int, direct: bool, items: Any, p: tuple[int, int, int]) -> tuple[int, int, int]:
     """p, with the engine's copy mode added when this O_DIRECT write should go
     through the engine's buffers (``defaults.write_copy``; see the module)."""
@@ -159,9 +173,16 @@ def params_for(fd: int, direct: bool, items: Any, p: tuple[int, int, int]) -> tu
         return (p[0], p[1], p[2] | MODE_COPY)
     if _pagemap == -1:
         return p
+    try:  # the common case, small items only, in C: ~50 ns an item
+        if max(map(_nbytes, map(_first, items)), default=0) < CHECK_MIN:
+            return p
+    except (AttributeError, TypeError):
+        pass  # bytes and other buffers without .nbytes: one by one
     limits: tuple[int, int] | None = None
     for buf, _ in items:
         try:
+            if getattr(buf, "nbytes", None) is None and len(buf) < CHECK_MIN:
+                continue  # bytes, bytearray: len is at most the byte count
             addr, nbytes = _address(buf)
         except Exception:
             return p  # the engine reports a bad buffer

@@ -85,7 +85,7 @@ def make(eng: Engine, op: int, fh: FileHandle, data: Any, offset: int, p: Params
         return eng.read(fh, data, offset, *p)
     if op == WRITE:
         if fh.direct:
-            p = scatter.params_for(fh.fd, True, ((data, offset),), p)
+            p = scatter.params_for_one(fh.fd, data, p)
         return eng.write(fh, data, offset, *p)
     if op == READV:
         return eng.readv(fh, data, *p)
@@ -146,7 +146,7 @@ def submit(
                 req = r.engine.read(fh, data, offset, p[0], p[1], p[2])
             else:
                 if fh.direct:
-                    p = scatter.params_for(fh.fd, True, ((data, offset),), p)
+                    p = scatter.params_for_one(fh.fd, data, p)
                 req = r.engine.write(fh, data, offset, p[0], p[1], p[2])
         else:
             if op in (READV, WRITEV):
