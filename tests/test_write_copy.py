@@ -30,16 +30,43 @@ def _frames_visible() -> bool:
     return scatter.request_bytes(a.ctypes.data, a.nbytes, LIMITS) is not None
 
 
+def _frames(a: np.ndarray) -> np.ndarray:
+    """The physical frame numbers of a's pages, read here (not by the code under test)."""
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(a.ctypes.data // PAGE * 8)
+        e = np.frombuffer(f.read(a.nbytes // PAGE * 8), dtype=np.uint64)
+    return e & np.uint64((1 << 55) - 1)
+
+
 def scattered_buffer(nbytes: int) -> tuple[np.ndarray, mmap.mmap]:
-    """Anonymous 4 KiB pages faulted last page first: the kernel hands them
-    out in descending frame order, so no two neighbours are adjacent."""
-    m = mmap.mmap(-1, nbytes)
-    a = np.frombuffer(m, dtype=np.uint8)
-    ctypes.CDLL(None).madvise(ctypes.c_void_p(a.ctypes.data), ctypes.c_size_t(nbytes), 15)  # NOHUGEPAGE
-    for off in range(nbytes - PAGE, -1, -PAGE):
-        a[off] = 1
-    a[:] = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
-    return a, m
+    """nbytes of anonymous memory no two neighbouring pages of which are
+    neighbours in physical memory: twice as many pages are faulted, sorted by
+    frame number, and every other one is moved (mremap) into place, so the
+    frames of neighbouring pages differ by 2 or more, whatever order the
+    kernel handed them out in."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mremap.restype = ctypes.c_void_p
+    libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    n = nbytes // PAGE
+    src_map = mmap.mmap(-1, 2 * nbytes)
+    src = np.frombuffer(src_map, dtype=np.uint8)
+    libc.madvise(ctypes.c_void_p(src.ctypes.data), ctypes.c_size_t(2 * nbytes), 15)  # MADV_NOHUGEPAGE
+    src[::PAGE] = 1
+    order = np.argsort(_frames(src), kind="stable")[::2][:n]
+    dst_map = mmap.mmap(-1, nbytes)
+    dst = np.frombuffer(dst_map, dtype=np.uint8)
+    base, dst_base = src.ctypes.data, dst.ctypes.data
+    for i, j in enumerate(order.tolist()):
+        got = libc.mremap(base + j * PAGE, PAGE, PAGE, 3, dst_base + i * PAGE)  # MAYMOVE | FIXED
+        if got != dst_base + i * PAGE:
+            raise OSError(ctypes.get_errno(), "mremap")
+    del src
+    src_map.close()
+    pfn = _frames(dst)
+    if np.count_nonzero(pfn[1:] == pfn[:-1] + np.uint64(1)):
+        raise AssertionError("the construction left neighbouring frames")
+    dst[:] = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    return dst, dst_map
 
 
 def test_requests_of_counts_segments_and_caps_requests():
@@ -126,8 +153,7 @@ async def test_auto_copies_scattered_memory_and_nothing_else(tmp_path):
             await f.fsync()
         assert np.array_equal(np.fromfile(path, dtype=np.uint8), a)
     finally:
-        del a
-        m.close()
+        del a  # the mapping goes with the last view of it
 
 
 def test_small_writes_are_never_checked_and_always_copies_them(tmp_path):
