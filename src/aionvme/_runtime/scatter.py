@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import operator
 import os
-import sys
 import threading
 from typing import Any
 
@@ -43,8 +42,8 @@ _PFN_MASK = (1 << 55) - 1
 _PRESENT = 1 << 63
 
 _lock = threading.Lock()
-_pagemap: int | None = None  # fd of /proc/self/pagemap; -1: unusable here
-_pagemap_file = -1  # the fd, kept to close in a forked child
+_pagemap: int | None = None  # fd of /proc/self/pagemap (None: not opened yet; -1: cannot be)
+_blind = False  # this process sees no physical frame numbers: nothing to check
 _limits: dict[int, tuple[int, int] | None] = {}
 _first = operator.itemgetter(0)
 _nbytes = operator.attrgetter("nbytes")  # numpy arrays, torch tensors, memoryviews
@@ -77,23 +76,23 @@ def device_limits(st_dev: int) -> tuple[int, int] | None:
 
 
 def _pagemap_fd() -> int:
-    global _pagemap, _pagemap_file
+    global _pagemap, _blind
     if _pagemap is None:
         with _lock:
             if _pagemap is None:
                 try:
-                    _pagemap = _pagemap_file = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+                    _pagemap = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
                 except OSError:
-                    _pagemap = -1
+                    _pagemap, _blind = -1, True
     return _pagemap
 
 
 def _forked() -> None:  # the inherited fd reads the parent's pagemap
-    global _pagemap, _pagemap_file
-    if _pagemap_file >= 0:
+    global _pagemap
+    if _pagemap is not None and _pagemap >= 0:
         with contextlib.suppress(OSError):
-            os.close(_pagemap_file)
-    _pagemap, _pagemap_file = None, -1
+            os.close(_pagemap)
+    _pagemap = None
 
 
 os.register_at_fork(after_in_child=_forked)
@@ -104,9 +103,9 @@ def request_bytes(addr: int, nbytes: int, limits: tuple[int, int]) -> int | None
     transfer of the whole pages of [addr, addr + nbytes) (its first 16 MiB
     sampled), or None when physical frame numbers cannot be seen here or
     too few of the pages are resident to tell."""
-    global _pagemap
+    global _blind
     fd = _pagemap_fd()
-    if fd < 0:
+    if _blind or fd < 0:
         return None
     first = (addr + PAGE - 1) // PAGE
     n = min((addr + nbytes) // PAGE - first, SAMPLE_PAGES)
@@ -122,7 +121,7 @@ def request_bytes(addr: int, nbytes: int, limits: tuple[int, int]) -> int | None
     if int(present.sum()) < n // 2:
         return None
     if not pfn[present].any():  # resident pages with frame 0: this process may not see them
-        _pagemap = -1  # checked no more (the fd stays open: another thread may be reading it)
+        _blind = True  # checked no more
         return None
     # pages not resident yet are faulted when the write pins them: left out
     return requests_of(pfn[present], limits)
@@ -139,17 +138,6 @@ def requests_of(pfns: np.ndarray, limits: tuple[int, int]) -> int:
     segments = 1 + int(np.count_nonzero(pfns[1:] != pfns[:-1] + np.uint64(1)))
     max_segs, max_bytes = limits
     return int(min(len(pfns) * PAGE / segments * max_segs, max_bytes))
-
-
-def _address(buf: Any) -> tuple[int, int]:
-    if "torch" in sys.modules:
-        import torch
-
-        if isinstance(buf, torch.Tensor):
-            if buf.device.type != "cpu":
-                raise ValueError("not host memory")  # device memory has no pages here
-            return buf.data_ptr(), buf.numel() * buf.element_size()
-    return buffer_info(buf)
 
 
 def params_for_one(fd: int, buf: Any, p: tuple[int, int, int]) -> tuple[int, int, int]:
@@ -171,7 +159,7 @@ def params_for(fd: int, direct: bool, items: Any, p: tuple[int, int, int]) -> tu
         return p
     if choice == "always":
         return (p[0], p[1], p[2] | MODE_COPY)
-    if _pagemap == -1:
+    if _blind:
         return p
     try:  # the common case, small items only, in C: ~50 ns an item
         if max(map(_nbytes, map(_first, items)), default=0) < CHECK_MIN:
@@ -183,7 +171,7 @@ def params_for(fd: int, direct: bool, items: Any, p: tuple[int, int, int]) -> tu
         try:
             if getattr(buf, "nbytes", None) is None and len(buf) < CHECK_MIN:
                 continue  # bytes, bytearray: len is at most the byte count
-            addr, nbytes = _address(buf)
+            addr, nbytes = buffer_info(buf)  # the engine's own view (refuses device tensors)
         except Exception:
             return p  # the engine reports a bad buffer
         if nbytes < CHECK_MIN:
