@@ -7,9 +7,11 @@ the engine's huge-page buffers (``write_copy``), and the requests the device saw
     python3 bench/write_scatter.py --size 1G --rounds 5 --dir /nvme
 
 Sources (each allocated once, written by every mode):
-- contiguous: an anonymous mapping faulted first page to last by one thread;
-- scattered: the same faulted last page first (the kernel hands the pages out in
-  descending frame order: no two neighbours adjacent, the worst case);
+- first-to-last: an anonymous mapping faulted first page to last by one thread
+  (usually physically contiguous in long runs; not always: the script prints
+  the request size the check predicts for each source);
+- last-to-first: the same faulted last page first (usually descending frames:
+  no two neighbours adjacent, the worst case);
 - torch: 32 MiB bf16 tensors made by ``torch.randn(...).bfloat16()`` (torch's
   threads fault them).
 
@@ -37,6 +39,7 @@ import numpy as np
 
 import aionvme as nvme
 from aionvme import File, defaults
+from aionvme._engine import buffer_info
 from aionvme._runtime import scatter
 from aionvme.bench.peers import disk_figures, disk_stats
 
@@ -55,12 +58,12 @@ def sources(nbytes: int) -> dict[str, tuple[list[tuple[Any, int]], Any]]:
     out: dict[str, tuple[list[tuple[Any, int]], Any]] = {}
     a, m = _anon(nbytes)
     a[:] = 7
-    out["contiguous"] = ([(a, 0)], m)
+    out["first-to-last"] = ([(a, 0)], m)
     b, m2 = _anon(nbytes)
     for off in range(nbytes - PAGE, -1, -PAGE):
         b[off] = 1
     b[:] = 7
-    out["scattered"] = ([(b, 0)], m2)
+    out["last-to-first"] = ([(b, 0)], m2)
     import torch
 
     items: list[tuple[Any, int]] = []
@@ -97,9 +100,8 @@ def predicted(items: list[tuple[Any, int]], path: str) -> str:
     limits = scatter.device_limits(os.stat(os.path.dirname(path)).st_dev)
     if limits is None:
         return "no request queue"
-    buf = items[0][0]
-    addr = buf.data_ptr() if hasattr(buf, "data_ptr") else buf.ctypes.data
-    got = scatter.request_bytes(addr, len(buf), limits)
+    addr, nbytes = buffer_info(items[0][0])
+    got = scatter.request_bytes(addr, nbytes, limits)
     return "frames hidden" if got is None else f"{got / 1024:.0f} KiB predicted"
 
 
