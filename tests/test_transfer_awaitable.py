@@ -135,3 +135,46 @@ async def test_tasks_of_transfers_have_a_repr_in_debug_mode(make_file):
             assert "Transfer" in repr(task)
     finally:
         loop.set_debug(debug)
+
+
+def test_file_reads_follow_the_running_loop_across_loops_and_threads(make_file):
+    # File.pread finds its loop's hub through a one-entry cache (the loop seen
+    # last): a new loop, another thread's loop and a closed loop must each get
+    # their own hub, and a closed loop must not be kept alive by the cache.
+    import gc
+    import threading
+    import weakref
+
+    path, data = make_file(256 * 4096)
+    expect = np.frombuffer(data, np.uint8)
+
+    async def read_all(f: nvme.File, step: int) -> list[weakref.ref[asyncio.AbstractEventLoop]]:
+        bufs = [np.zeros(4096, np.uint8) for _ in range(16)]
+        for start in range(0, 256, 16):
+            blocks = [(start + k * step) % 256 for k in range(16)]
+            await asyncio.gather(*(f.pread(b, i * 4096) for b, i in zip(bufs, blocks)))
+            for b, i in zip(bufs, blocks):
+                np.testing.assert_array_equal(b, expect[i * 4096 : (i + 1) * 4096])
+        return [weakref.ref(asyncio.get_running_loop())]
+
+    with nvme.open(path) as f:
+        refs = []
+        for step in (1, 3, 5):  # a new loop each time, one after the other
+            refs += asyncio.run(read_all(f, step))
+        errors: list[BaseException] = []
+
+        def in_thread(step: int) -> None:
+            try:
+                refs.extend(asyncio.run(read_all(f, step)))
+            except BaseException as e:  # reported by the main thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=in_thread, args=(s,)) for s in (7, 11, 13)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        gc.collect()
+        alive = [r for r in refs if r() is not None]
+        assert not alive, f"{len(alive)} closed loops are still referenced"

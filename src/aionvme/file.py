@@ -15,13 +15,15 @@ from collections.abc import Awaitable, Iterable
 from typing import Any
 
 from . import defaults
-from ._engine import hub_transfer
+from ._engine import bind_file_pread, file_pread, hub_transfer
 from ._runtime import scatter, transfer
 from ._runtime.blocking import thread_engine
 from ._runtime.opening import FS_NAMES, FileBase, OpenInfo, PathLike, open_handle, parse_mode
 from ._runtime.reactor import REACTOR_ATTR, failed, get_reactor
 from ._runtime.transfer import FDATASYNC, FSYNC, READ, READV, WRITE, WRITEV
 from .exceptions import os_error
+
+bind_file_pread(defaults, REACTOR_ATTR, transfer.submit_file, READ)
 
 __all__ = [
     "FS_NAMES",
@@ -133,20 +135,9 @@ class File(FileBase):
 
     # -- async I/O -----------------------------------------------------------------
 
-    def pread(self, buf: Any, offset: int = 0) -> Awaitable[int]:
-        """Fill all of buf from offset; the awaitable gives len(buf) in bytes or raises.
-
-        Raises (at the await) ShortReadError if the file ends first, OSError
-        subclasses for I/O errors (with filename and offset), ClosedFileError
-        on a closed file. See :func:`aionvme.pread` for what the awaitable
-        accepts and when errors arrive.
-        """
-        cached_for, p = self._p
-        if cached_for is not defaults.settings:
-            p = self._params()
-        # the hot path of random reads, in C; None: the long way takes it
-        t = hub_transfer(REACTOR_ATTR, self, buf, offset, p, False)
-        return t if t is not None else transfer.submit_file(READ, self, buf, offset, p)
+    # pread(buf, offset=0) -> Awaitable[int]: fill all of buf from offset. In C
+    # (the hot path of random reads): hub_transfer, else transfer.submit_file.
+    pread = file_pread
 
     def pwrite(self, buf: Any, offset: int = 0) -> Awaitable[int]:
         """Write all of buf at offset (the file grows as needed; never truncated)."""

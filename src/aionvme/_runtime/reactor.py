@@ -281,6 +281,7 @@ class Reactor:
             return
         self.closed = True
         self.live = False
+        self.hub.retire()
         if self._retry is not None:
             self._retry.cancel()
             self._retry = None
@@ -380,6 +381,7 @@ def _after_fork_in_child() -> None:
     for eng in list(_engines):
         if isinstance(eng.owner, Reactor):
             eng.owner.live = False  # the parent's: a new one is made on first use
+            eng.owner.hub.retire()
     # The child must not touch the parent's AIO contexts (EINVAL) or wait for
     # worker threads that were not copied: forget them; new engines are made
     # on first use because reactors and sync engines check the pid.
