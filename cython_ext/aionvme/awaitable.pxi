@@ -255,8 +255,10 @@ cdef class Hub:
 # hub_transfer's cache: the loop it saw last and that loop's Hub, so the common
 # call finds its Hub with one pointer comparison instead of three attribute
 # lookups (the loop's, its reactor's ``live`` and ``hub``). The strong reference
-# to the loop keeps its address from being reused while cached; Hub.retire
-# drops both when the reactor closes.
+# to the loop keeps its address from being reused while cached. Hub.retire drops
+# both when the reactor closes (loop.close() closes it); a loop dropped without
+# close() stays alive until another loop's read replaces it here (the Hub holds
+# its loop anyway).
 cdef object _hot_owner = None
 cdef Hub _hot_hub = None
 
