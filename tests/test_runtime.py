@@ -49,10 +49,10 @@ def test_one_io_submit_per_tick_for_a_burst(make_file):
     with nvme.defaults.set(submit_batch=0, submit_ramp=2):
         assert asyncio.run(_burst_submit_calls(path, 100)) == 6
     # by default every submit_batch requests of the iteration go at once
-    # (batched, and earlier), each batch ramped: 12 = 2 + 4 + 6
+    # (batched, and earlier), each batch ramped: 12 = 8 + 4
     per_call = nvme.defaults.get("submit_batch")
-    assert nvme.defaults.get("submit_ramp") == 2
-    assert asyncio.run(_burst_submit_calls(path, 100)) <= 3 * -(-100 // per_call)
+    assert nvme.defaults.get("submit_ramp") == 8
+    assert asyncio.run(_burst_submit_calls(path, 100)) <= 2 * -(-100 // per_call)
 
 
 async def _one_request_submit_calls(path: str, buf: np.ndarray) -> int:
@@ -84,8 +84,8 @@ async def test_many_requests_beyond_queue_depth_are_all_served(make_file):
         assert np.array_equal(b, data[o : o + 1000])
     s = nvme.stats()
     # batched, not one syscall per request: submit_batch (12) requests per
-    # batch, each batch in ramped calls of 2, 4, 6 iocbs
-    assert s["submit_calls"] <= 3000 // 4
+    # batch, each batch in ramped calls of 8 and 4 iocbs
+    assert s["submit_calls"] <= 3000 // 6
 
 
 async def test_large_request_is_split_into_parallel_chunks(make_file):
@@ -373,7 +373,7 @@ async def test_single_submit_mode_issues_one_io_submit_per_chunk(make_file):
         assert np.array_equal(buf, data)
         before = r.engine.stats()["submit_calls"]
         await r.submit(r.engine.read(f._handle(), buf, 0, 1 << 20, 0, 0))
-        assert r.engine.stats()["submit_calls"] - before == 3  # ramped: 2, 4, 2
+        assert r.engine.stats()["submit_calls"] - before == 1  # batched: the ramp's first call takes 8
 
 
 async def test_no_overlap_mode_waits_for_each_window(make_file):
