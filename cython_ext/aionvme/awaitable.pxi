@@ -258,7 +258,8 @@ cdef class Hub:
 # to the loop keeps its address from being reused while cached. Hub.retire drops
 # both when the reactor closes (loop.close() closes it); a loop dropped without
 # close() stays alive until another loop's read replaces it here (the Hub holds
-# its loop anyway).
+# its loop anyway). It is not keyed by ``attr``: every caller passes the
+# reactor's one attribute (REACTOR_ATTR).
 cdef object _hot_owner = None
 cdef Hub _hot_hub = None
 

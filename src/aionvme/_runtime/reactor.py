@@ -280,8 +280,7 @@ class Reactor:
         if self.closed:
             return
         self.closed = True
-        self.live = False
-        self.hub.retire()
+        self._retire()
         if self._retry is not None:
             self._retry.cancel()
             self._retry = None
@@ -295,6 +294,12 @@ class Reactor:
                 req.future = None
             return
         deliver(finished, _engine_closed)
+
+    def _retire(self) -> None:
+        # No more submissions through this reactor: get_reactor checks
+        # ``live``, File.pread's C path (hub_transfer) its Hub's.
+        self.live = False
+        self.hub.retire()
 
     def stats(self) -> dict[str, Any]:
         return dict(self.engine.stats())
@@ -380,8 +385,7 @@ def _after_fork_in_child() -> None:
     _pid = os.getpid()
     for eng in list(_engines):
         if isinstance(eng.owner, Reactor):
-            eng.owner.live = False  # the parent's: a new one is made on first use
-            eng.owner.hub.retire()
+            eng.owner._retire()  # the parent's: a new one is made on first use
     # The child must not touch the parent's AIO contexts (EINVAL) or wait for
     # worker threads that were not copied: forget them; new engines are made
     # on first use because reactors and sync engines check the pid.
