@@ -10,8 +10,9 @@ reach the caller) lives in the Python package.
 cimport cython
 from cpython.buffer cimport (PyBUF_ANY_CONTIGUOUS, PyBUF_FORMAT, PyBUF_FULL_RO, PyBUF_WRITABLE,
                              PyBuffer_Release, PyObject_CheckBuffer, PyObject_GetBuffer)
-from cpython.exc cimport PyErr_CheckSignals, PyErr_SetObject
-from cpython.object cimport PyObject, PyObject_Call
+from cpython.exc cimport PyErr_CheckSignals, PyErr_Fetch, PyErr_Restore, PyErr_SetObject
+from cpython.object cimport PyObject
+from cpython.contextvars cimport PyContext_CopyCurrent, PyContext_Enter, PyContext_Exit
 from cpython.ref cimport Py_DECREF, Py_INCREF
 from libc.errno cimport EAGAIN, EBADF, EBUSY, EINTR, EINVAL, EIO, ENOMEM, EOPNOTSUPP, ESPIPE, errno
 from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t

@@ -1,22 +1,31 @@
 # Transfer: what an async call returns for a request queued on an event loop's
-# engine. The engine still never imports asyncio: the reactor hands over the
-# Future type (set_future_type) and owns the policy (when to pump, _cancel).
+# engine: a future-like object and a coroutine in one. The engine still never
+# imports asyncio: the reactor hands over the few names it needs
+# (bind_asyncio) and owns the policy (when to pump, _cancel).
 #
-# Why a class of its own instead of a subclass of asyncio.Future: a Task waits
-# on what its coroutine yields, and takes C's fast path only for an exact
-# asyncio.Future; a subclass goes through attribute lookups and Python-level
-# calls (get_loop, add_done_callback, setting _asyncio_future_blocking), and
-# making a Python subclass instance costs as much again. Counted with
-# callgrind on bench/asyncio_floor.py's pattern: 7.1k instructions per await
-# with exact futures, 11.4k with the subclass the runtime used before.
+# Why not an asyncio.Future (or one inside): each read then paid for making
+# the Future (its __init__ calls loop.get_debug()), and for its completion,
+# which schedules the waiting Task's wakeup through loop.call_soon (a Handle
+# made, queued, run and freed) to run one loop iteration later. A Transfer
+# keeps its done callbacks itself, and deliver() runs them right where the
+# reactor reaped the completions when that is a loop callback with no task
+# running (what the loop would do with the Handle, one iteration earlier), in
+# the context each callback was registered with; the requests the woken tasks
+# make go to the kernel in the flush that follows at once. Callbacks added
+# after completion, and every delivery made from elsewhere (a task calling
+# flush_now, the reactor closing), go through call_soon as asyncio's do.
+# Counted with callgrind (bench/gather_cpu.py's pattern, uvloop), per 4 KiB
+# read: 9.96k instructions with an exact Future inside, 8.31k without
+# (bench/README.md, tenth round).
 #
-# So a Transfer holds an exact Future (``fut``) that the reactor resolves, and
-# awaiting it yields that Future. A Task cancelled while waiting cancels
-# ``fut`` itself (it does not go through Transfer.cancel): the exception it
-# then throws into the await stops the request, and the await yields a second
-# Future (``drain``) that the reactor resolves when the request's chunks have
-# landed; only then does the exception reach the awaiting code. So when an
-# await ends, the kernel no longer writes into the buffer, as before.
+# A Task awaiting a Transfer waits on the Transfer itself (asyncio's protocol
+# for future-likes: _asyncio_future_blocking, get_loop, add_done_callback), so
+# cancelling the Task calls Transfer.cancel: the request stops issuing chunks
+# and the Transfer finishes, cancelled, once those in flight have landed; only
+# then does CancelledError reach the awaiting code. An exception thrown into
+# an awaiting coroutine by other means (throw) stops the request the same way
+# and is raised once the chunks have landed. So when an await ends, the kernel
+# no longer writes into the buffer.
 
 cdef extern from *:
     """
@@ -42,18 +51,63 @@ cdef extern from *:
     PyObject *aionvme_hook_owner()
 
 
-cdef object _future_type = None
-cdef object _fut_done = None         # _future_type.done, unbound: no method lookup per delivery
-cdef object _fut_set_result = None   # _future_type.set_result, unbound
-cdef tuple _no_args = ()
+cdef extern from *:
+    """
+    /* Is fn the wakeup of a C asyncio Task (what Task passes to
+       add_done_callback of what it awaits)? On 3.11 an object of type
+       TaskWakeupMethWrapper, on 3.12+ a builtin function named task_wakeup
+       bound to the task. Either way it only asks the future for its result()
+       and steps the task. */
+    static PyTypeObject *aionvme_wakeup_type = NULL;
+    static PyMethodDef *aionvme_wakeup_def = NULL;
+    static int aionvme_is_task_wakeup(PyObject *fn) {
+        PyTypeObject *tp = Py_TYPE(fn);
+        if (tp == aionvme_wakeup_type) return 1;
+        if (PyCFunction_Check(fn)) {
+            PyMethodDef *ml = ((PyCFunctionObject *)fn)->m_ml;
+            if (ml == aionvme_wakeup_def) return 1;
+            if (aionvme_wakeup_def == NULL && ml != NULL && ml->ml_name != NULL
+                    && strcmp(ml->ml_name, "task_wakeup") == 0) {
+                PyObject *self = PyCFunction_GET_SELF(fn);
+                if (self != NULL && strcmp(Py_TYPE(self)->tp_name, "_asyncio.Task") == 0) {
+                    aionvme_wakeup_def = ml;
+                    return 1;
+                }
+            }
+            return 0;
+        }
+        if (aionvme_wakeup_type == NULL && strcmp(tp->tp_name, "TaskWakeupMethWrapper") == 0) {
+            aionvme_wakeup_type = tp;
+            return 1;
+        }
+        return 0;
+    }
+    """
+    bint aionvme_is_task_wakeup(object fn)
 
 
-def set_future_type(t):
-    """The Future class Transfers wait on (asyncio.Future; set by the reactor)."""
-    global _future_type, _fut_done, _fut_set_result
-    _future_type = t
-    _fut_done = t.done
-    _fut_set_result = t.set_result
+cdef object _CancelledError = None
+cdef object _InvalidStateError = None
+cdef object _current_task = None
+cdef object _done_ok = None   # an exact asyncio.Future, done with None: see _call_in
+
+
+def bind_asyncio(cancelled_error, invalid_state_error, current_task, done_ok):
+    """asyncio's CancelledError, InvalidStateError and current_task, and an
+    exact asyncio.Future already done with a result (set by the reactor: the
+    engine does not import asyncio)."""
+    global _CancelledError, _InvalidStateError, _current_task, _done_ok
+    _CancelledError = cancelled_error
+    _InvalidStateError = invalid_state_error
+    _current_task = current_task
+    _done_ok = done_ok
+
+
+cdef enum:
+    T_PENDING = 0
+    T_OK = 1
+    T_FAILED = 2
+    T_CANCELLED = 3
 
 
 @cython.auto_pickle(False)   # an await in progress: nothing to pickle
@@ -61,21 +115,27 @@ cdef class Transfer:
     """The awaitable of one request: a future-like object and a coroutine.
 
     ``await``, ``asyncio.create_task``/``TaskGroup.create_task`` (as a
-    coroutine), ``gather``, ``ensure_future``, ``wait_for`` and ``shield`` (as
-    a future, no Task made) all accept it. Future methods not defined here are
-    those of the exact Future it wraps (``fut``); done-callbacks receive that
-    Future. ``cancel()`` stops the request and completes only once its chunks
-    in flight have landed.
+    coroutine), ``gather``, ``ensure_future``, ``wait_for``, ``shield`` and
+    ``wait`` (as a future, no Task made) all accept it, with asyncio's Future
+    API for reading it: ``done``, ``cancelled``, ``result``, ``exception``,
+    ``add_done_callback``, ``remove_done_callback``, ``get_loop``.
+    ``cancel()`` stops the request and completes only once its chunks in
+    flight have landed.
     """
 
-    cdef readonly object fut      # the exact Future: result, exception or cancellation
-    cdef object drain             # resolved when the request finished, after fut was cancelled under it
-    cdef object thrown            # the exception thrown into a draining await, raised after the drain
+    cdef object loop
     cdef public Request req       # the request, until the reactor delivered it
-    cdef object kw                # {"loop": loop}, one dict per reactor: Future(**kw) allocates none
-    cdef object result            # the byte count once finished ok
-    cdef readonly bint finished   # delivered by the reactor
-    cdef bint ok
+    cdef object value             # the byte count (ok) or the exception (failed)
+    cdef object tb                # the exception's traceback when it was set
+    cdef object cancel_message
+    cdef object thrown            # an exception thrown into the await, raised once drained
+    cdef object cb0               # the first done callback (a waiting Task's wakeup) ...
+    cdef object ctx0              # ... and the context it runs in
+    cdef list cbs                 # further (callback, context) pairs, in order
+    cdef readonly bint finished   # delivered by the reactor: done
+    cdef char state
+    cdef bint blocking            # _asyncio_future_blocking
+    cdef bint log_exc             # failed, and nobody asked for the exception yet
 
     def __await__(self):
         return self
@@ -90,17 +150,29 @@ cdef class Transfer:
         return self._step()
 
     cdef object _step(self):
-        if self.finished:
-            if self.thrown is not None:
-                exc = self.thrown
-                self.thrown = None
-                raise exc
-            if self.ok:
-                raise StopIteration(self.result)
-            raise StopIteration(self.fut.result())   # result() raises its exception or CancelledError
-        fut = self.drain if self.drain is not None else self.fut
-        fut._asyncio_future_blocking = True
-        return fut
+        if not self.finished:
+            self.blocking = True
+            return self
+        if self.thrown is not None:
+            exc = self.thrown
+            self.thrown = None
+            raise exc
+        raise StopIteration(self._result())
+
+    cdef object _result(self):
+        if self.state == T_OK:
+            return self.value
+        if self.state == T_FAILED:
+            self.log_exc = False
+            raise (<BaseException>self.value).with_traceback(self.tb)
+        if self.state == T_CANCELLED:
+            raise self._cancelled_error()
+        raise _InvalidStateError("Result is not set.")
+
+    cdef object _cancelled_error(self):
+        if self.cancel_message is None:
+            return _CancelledError()
+        return _CancelledError(self.cancel_message)
 
     def throw(self, typ, val=None, tb=None):
         if val is None:
@@ -110,15 +182,16 @@ cdef class Transfer:
         if tb is not None:
             exc = exc.with_traceback(tb)
         if self.finished:
+            if self.thrown is not None:   # drained: what was thrown in, not the wakeup's CancelledError
+                exc = self.thrown
+                self.thrown = None
             raise exc
-        # The awaiting task is being cancelled (or interrupted): stop the
-        # request and wait for the chunks in flight before letting exc out.
+        # Interrupted by other means than Transfer.cancel: stop the request
+        # and wait for the chunks in flight before letting exc out.
         self.thrown = exc
         self._stop()
-        if self.drain is None or self.drain.done():   # done: a second cancel cancelled it
-            self.drain = PyObject_Call(_future_type, _no_args, self.kw)
-        self.drain._asyncio_future_blocking = True
-        return self.drain
+        self.blocking = True
+        return self
 
     def close(self):
         # The awaiting coroutine is closed: it cannot wait, but the request
@@ -133,29 +206,230 @@ cdef class Transfer:
             req.engine.owner._cancel(req)
         return 0
 
+    # -- asyncio's Future API ----------------------------------------------------
+
     def cancel(self, msg=None):
-        """Stop the request; the future is cancelled once its chunks in
-        flight have landed. False if it is done already."""
-        cdef Request req = self.req
-        if self.finished or self.fut.done():
+        """Stop the request; the transfer finishes cancelled once its chunks
+        in flight have landed. False if it is done already."""
+        if self.finished:
             return False
-        req.cancel_msg = msg
+        self.cancel_message = msg
         self._stop()
         return True
 
+    def done(self):
+        return self.finished
+
+    def cancelled(self):
+        return self.state == T_CANCELLED
+
+    def result(self):
+        return self._result()
+
+    def exception(self):
+        if self.state == T_OK:
+            return None
+        if self.state == T_FAILED:
+            self.log_exc = False
+            return self.value
+        if self.state == T_CANCELLED:
+            raise self._cancelled_error()
+        raise _InvalidStateError("Exception is not set.")
+
+    def get_loop(self):
+        return self.loop
+
+    def add_done_callback(self, fn, *, context=None):
+        if context is None:
+            context = PyContext_CopyCurrent()
+        if self.finished:
+            self.loop.call_soon(fn, self, context=context)
+        elif self.cb0 is None and not self.cbs:
+            self.cb0 = fn
+            self.ctx0 = context
+        else:
+            if self.cbs is None:
+                self.cbs = []
+            self.cbs.append((fn, context))
+
+    def remove_done_callback(self, fn):
+        cdef list keep = []
+        cdef Py_ssize_t n = 0
+        if self.cb0 is not None:
+            if self.cb0 == fn:
+                n += 1
+            else:
+                keep.append((self.cb0, self.ctx0))
+        if self.cbs:
+            for pair in self.cbs:
+                if (<tuple>pair)[0] == fn:
+                    n += 1
+                else:
+                    keep.append(pair)
+        if n:
+            self.cb0 = None
+            self.ctx0 = None
+            self.cbs = keep or None
+        return n
+
+    # What asyncio's gather reads from the futures it gathers (3.11-3.13).
+    @property
+    def _cancel_message(self):
+        return self.cancel_message
+
+    @_cancel_message.setter
+    def _cancel_message(self, value):
+        self.cancel_message = value
+
+    def _make_cancelled_error(self):
+        return self._cancelled_error()
+
+    @property
+    def _loop(self):
+        return self.loop
+
     @property
     def _asyncio_future_blocking(self):
-        return self.fut._asyncio_future_blocking
+        return self.blocking
 
     @_asyncio_future_blocking.setter
     def _asyncio_future_blocking(self, value):
-        self.fut._asyncio_future_blocking = value
+        self.blocking = bool(value)
 
-    def __getattr__(self, name):
-        return getattr(self.fut, name)
+    def __dealloc__(self):
+        # What asyncio's futures log, from tp_dealloc rather than a finalizer
+        # (a finalizer cost ~230 instructions per read, called for every one).
+        if self.log_exc and self.loop is not None:
+            _log_unretrieved(self.loop, self.value)
 
     def __repr__(self):
-        return f"<aionvme.Transfer {self.fut!r}>"
+        if not self.finished:
+            state = "pending, cancelling" if (self.req is not None and self.req.cancel_requested) else "pending"
+        elif self.state == T_OK:
+            state = f"finished result={self.value!r}"
+        elif self.state == T_FAILED:
+            state = f"finished exception={self.value!r}"
+        else:
+            state = "cancelled"
+        return f"<aionvme.Transfer {state}>"
+
+    # -- completion (the reactor's deliver) --------------------------------------
+
+    cdef int _settle(self, Request req, object closed_error) except -1:
+        self.req = None
+        self.finished = True
+        self.blocking = False
+        if closed_error is not None and (req.c.flags & RF_CANCELLED) and not req.cancel_requested:
+            self._fail(closed_error())
+        elif req.cancel_requested:
+            # the request stopped early and its chunks have landed: now it
+            # may count as cancelled
+            self.state = T_CANCELLED
+        elif ((req.c.flags & RF_FINISHED) and not (req.c.flags & (RF_CANCELLED | RF_SHORT_WRITE))
+                and req.c.err == 0 and req.c.short_seg < 0):
+            self.state = T_OK
+            self.value = _req_nbytes(req)
+        else:
+            self._fail(req.exception())
+        return 0
+
+    cdef int _fail(self, object exc) except -1:
+        self.state = T_FAILED
+        self.value = exc
+        self.tb = (<BaseException>exc).__traceback__
+        self.log_exc = True
+        return 0
+
+    cdef int _schedule_callbacks(self) except -1:
+        # through the loop, as asyncio's futures do
+        fn = self.cb0
+        if fn is not None:
+            self.cb0 = None
+            self.loop.call_soon(fn, self, context=self.ctx0)
+            self.ctx0 = None
+        cbs = self.cbs
+        if cbs:
+            self.cbs = None
+            for pair in cbs:
+                self.loop.call_soon((<tuple>pair)[0], self, context=(<tuple>pair)[1])
+        return 0
+
+
+cdef void _log_unretrieved(object loop, object exc) noexcept:
+    # From a Transfer's dealloc, which may run while an exception is raised:
+    # that exception is kept as it is.
+    cdef PyObject *et
+    cdef PyObject *ev
+    cdef PyObject *etb
+    PyErr_Fetch(&et, &ev, &etb)
+    try:
+        loop.call_exception_handler({
+            "message": "Transfer exception was never retrieved",
+            "exception": exc,
+        })
+    except BaseException:
+        pass
+    PyErr_Restore(et, ev, etb)
+
+
+cdef int _call_in(object fn, Transfer t, object ctx) except -1:
+    # What the loop's Handle would do with the callback, without the Handle.
+    try:
+        PyContext_Enter(ctx)
+    except RuntimeError:   # that context is entered already: let the loop run it
+        t.loop.call_soon(fn, t, context=ctx)
+        return 0
+    try:
+        if t.state == T_OK and aionvme_is_task_wakeup(fn):
+            # A Task's wakeup only asks what it was handed for result(),
+            # and on success resumes the coroutine with send(None), which
+            # takes the byte count from the Transfer itself. Handed an
+            # exact Future it reads the result in C; handed the Transfer it
+            # looks result() up by a C string and calls it (~2.7k
+            # instructions per read on 3.11). Failures and cancellations
+            # still hand over the Transfer, whose result() raises.
+            fn(_done_ok)
+        else:
+            fn(t)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as e:
+        t.loop.call_exception_handler({
+            "message": f"Exception in callback {fn!r}({t!r})",
+            "exception": e,
+            "future": t,
+        })
+    finally:
+        PyContext_Exit(ctx)
+    return 0
+
+
+cdef int _wake(list woken) except -1:
+    # Run the done callbacks of delivered transfers (the awaiting tasks'
+    # wakeups), in order. SystemExit or KeyboardInterrupt from one goes on
+    # up, as from the loop; the callbacks not run yet are left to the loop.
+    cdef Transfer t
+    cdef Py_ssize_t i = 0, n = len(woken)
+    while i < n:
+        t = <Transfer>woken[i]
+        i += 1
+        try:
+            fn = t.cb0
+            if fn is not None:
+                ctx = t.ctx0
+                t.cb0 = None
+                t.ctx0 = None
+                _call_in(fn, t, ctx)
+            while t.cbs:
+                pair = t.cbs.pop(0)
+                _call_in((<tuple>pair)[0], t, (<tuple>pair)[1])
+        except BaseException:
+            t._schedule_callbacks()
+            while i < n:
+                (<Transfer>woken[i])._schedule_callbacks()
+                i += 1
+            raise
+    return 0
 
 
 cdef PyObject *_transfer_next(object o) except NULL:
@@ -164,12 +438,11 @@ cdef PyObject *_transfer_next(object o) except NULL:
     # cost ~3k instructions per await (a frame, a traceback, a function object).
     cdef Transfer t = <Transfer>o
     if not t.finished:
-        fut = t.drain if t.drain is not None else t.fut
-        fut._asyncio_future_blocking = True
-        Py_INCREF(fut)
-        return <PyObject *>fut
-    if t.ok and t.thrown is None:
-        PyErr_SetObject(StopIteration, t.result)   # an int: no exception object is made
+        t.blocking = True
+        Py_INCREF(t)
+        return <PyObject *>t
+    if t.state == T_OK and t.thrown is None:
+        PyErr_SetObject(StopIteration, t.value)   # an int: no exception object is made
         return NULL
     r = t._step()   # raises
     Py_INCREF(r)
@@ -196,7 +469,7 @@ cdef class Hub:
     """
 
     cdef readonly Engine engine
-    cdef dict kw                  # {"loop": loop}: Future(**kw) allocates no dict
+    cdef object loop
     cdef object call_soon
     cdef object flush_cb
     cdef public list held         # finished during an early flush, not delivered yet
@@ -208,7 +481,7 @@ cdef class Hub:
     def __cinit__(self, Engine engine not None, object loop, object flush_cb, long long early):
         self.engine = engine
         self.live = True
-        self.kw = {"loop": loop}
+        self.loop = loop
         self.call_soon = loop.call_soon
         self.flush_cb = flush_cb
         self.held = []
@@ -216,8 +489,7 @@ cdef class Hub:
 
     cdef Transfer _queued(self, Request req):
         cdef Transfer t = Transfer.__new__(Transfer)
-        t.fut = PyObject_Call(_future_type, _no_args, self.kw)
-        t.kw = self.kw
+        t.loop = self.loop
         t.req = req
         req.future = t
         if not self.scheduled:
@@ -232,6 +504,12 @@ cdef class Hub:
                 if fin:
                     self.held.extend(fin)
         return t
+
+    def hold(self):
+        """Count as scheduled without scheduling a flush: the reactor is about
+        to wake tasks (deliver) and flush what they queue right after."""
+        self.scheduled = True
+        self.queued = 0
 
     def submit(self, Request req not None):
         """The Transfer of req (queued on this hub's engine); its chunks go
@@ -357,13 +635,17 @@ cdef inline int64_t _req_nbytes(Request req) noexcept:
     return n
 
 
-def deliver(list finished, object closed_error=None):
-    """Resolve the Transfers of finished requests (on the loop's thread); run
-    their callbacks. closed_error: makes the exception for requests the engine
-    cancelled while closing (the reactor's close), else None."""
+def deliver(list finished, object closed_error=None, object loop=None):
+    """Resolve the Transfers of finished requests (on the loop's thread) and
+    run the requests' own callbacks. closed_error: makes the exception for
+    requests the engine cancelled while closing (the reactor's close), else
+    None. loop: given when this is a callback of that loop: the transfers'
+    done callbacks (the awaiting tasks' wakeups) then run here, unless a task
+    is running; otherwise, and without loop, they go through loop.call_soon."""
     cdef Request req
     cdef Transfer t
-    cdef bint ok
+    cdef bint direct = loop is not None and _current_task(loop) is None
+    cdef list woken = None
     for obj in finished:
         req = <Request>obj
         fut = req.future
@@ -371,32 +653,20 @@ def deliver(list finished, object closed_error=None):
             req.future = None
             if type(fut) is Transfer:
                 t = <Transfer>fut
-                t.req = None
-                t.finished = True
-                fut = t.fut
-                ok = ((req.c.flags & RF_FINISHED) and not (req.c.flags & (RF_CANCELLED | RF_SHORT_WRITE))
-                      and req.c.err == 0 and req.c.short_seg < 0)
-                if not _fut_done(fut):
-                    if closed_error is not None and (req.c.flags & RF_CANCELLED) and not req.cancel_requested:
-                        fut.set_exception(closed_error())
-                    elif ok and not req.cancel_requested:
-                        t.result = _req_nbytes(req)
-                        t.ok = True
-                        _fut_set_result(fut, t.result)
-                    elif req.cancel_requested:
-                        # the request stopped early and its chunks have
-                        # landed: now the future may be cancelled
-                        fut.cancel(req.cancel_msg)
+                t._settle(req, closed_error)
+                if t.cb0 is not None or t.cbs:
+                    if not direct:
+                        t._schedule_callbacks()
+                    elif woken is None:
+                        woken = [t]
                     else:
-                        fut.set_exception(req.exception())
-                if t.drain is not None:
-                    if not t.drain.done():
-                        t.drain.set_result(None)
-                    t.drain = None
+                        woken.append(t)
         cb = req.callback
         if cb is not None:
             req.callback = None
             cb(req)
+    if woken is not None:
+        _wake(woken)
 
 
 def loop_attr(str name):

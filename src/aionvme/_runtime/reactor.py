@@ -3,20 +3,21 @@
 The engine's eventfd is registered with ``loop.add_reader``; every wakeup
 drains all completions (eventfd counts coalesce). Requests made during one
 loop iteration are queued in the engine and go to the kernel together, in one
-``io_submit``, from a single ``call_soon`` callback. Futures are created,
+``io_submit``, from a single ``call_soon`` callback. Transfers are created,
 resolved and cancelled on the loop's thread only.
 
 Every request is awaited through a ``Transfer`` (the engine's
-awaitable.pxi): a future-like coroutine over an exact ``asyncio.Future``,
-made and scheduled by the reactor's ``Hub`` and resolved by ``deliver``.
+awaitable.pxi): a future-like coroutine with its own done callbacks, made
+and scheduled by the reactor's ``Hub`` and resolved by ``deliver``. When the
+eventfd wakes the loop, ``_pump`` reaps, ``deliver`` runs the waiting tasks'
+wakeups in place, and the flush right after submits what they asked for next.
 
 Cancellation: kernel AIO cannot cancel file I/O (io_cancel answers EINVAL and
 the transfer still lands). So ``Transfer.cancel()`` does not complete the
-future at once: it stops the request from issuing more chunks and the future
-is cancelled when the chunks in flight have been reaped; a Task cancelled
-while awaiting one cancels the inner Future, and the await then waits for
-those chunks before it raises. When an awaiting task sees CancelledError, the
-kernel no longer touches its buffer.
+transfer at once: it stops the request from issuing more chunks and the
+transfer finishes cancelled when the chunks in flight have been reaped; a
+Task cancelled while awaiting one cancels it the same way. When an awaiting
+task sees CancelledError, the kernel no longer touches its buffer.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from .. import defaults
-from .._engine import Engine, Hub, Request, Transfer, deliver, loop_attr, set_future_type
+from .._engine import Engine, Hub, Request, Transfer, bind_asyncio, deliver, loop_attr
 from ..exceptions import EngineClosedError
 
 __all__ = [
@@ -151,9 +152,21 @@ class _IOFuture(AsCoroutine, asyncio.Future):  # type: ignore[type-arg]
 
 collections.abc.Coroutine.register(_IOFuture)
 
-# What Reactor.submit returns: a future-like coroutine over an exact
-# asyncio.Future (see cython_ext/aionvme/awaitable.pxi for why not a subclass).
-set_future_type(asyncio.Future)
+
+class _NoLoop:
+    # The loop of _DONE_OK: a Future asks its loop get_debug() when made, and
+    # schedules nothing when a result is set with no callbacks added.
+    def get_debug(self) -> bool:
+        return False
+
+
+# Handed to a Task's wakeup in place of a Transfer that finished ok (see
+# _call_in in awaitable.pxi): done, with a result, and never given callbacks.
+_DONE_OK: asyncio.Future[None] = asyncio.Future(loop=_NoLoop())  # type: ignore[arg-type]
+_DONE_OK.set_result(None)
+# What Reactor.submit returns: a future-like coroutine that keeps its own
+# done callbacks (see cython_ext/aionvme/awaitable.pxi for why no Future).
+bind_asyncio(asyncio.CancelledError, asyncio.InvalidStateError, asyncio.current_task, _DONE_OK)
 collections.abc.Coroutine.register(Transfer)
 
 
@@ -211,10 +224,14 @@ class Reactor:
         caller that queued a write behind and goes on without suspending (the
         device would sit idle until the loop next runs its callbacks)."""
         if self.hub.scheduled:
-            self._flush()
+            self._flush_from(None)  # called from a task: wakeups go through the loop
 
     def _flush(self) -> None:
-        # Requests queued during this loop iteration go to the kernel together.
+        # Requests queued during this loop iteration go to the kernel together
+        # (a loop callback: the tasks their completions wake run right here).
+        self._flush_from(self.loop)
+
+    def _flush_from(self, loop: asyncio.AbstractEventLoop | None) -> None:
         hub = self.hub
         hub.scheduled = False
         eng = self.engine
@@ -227,18 +244,27 @@ class Reactor:
         if eng.backlog:
             self._retry_later()
         if finished:
-            deliver(finished)  # resolves their Transfers, in Cython
+            deliver(finished, None, loop)  # resolves their Transfers, in Cython
 
     def _pump(self) -> None:
-        # The eventfd is readable: reap everything, refill, resolve futures.
+        # The eventfd is readable (a loop callback, or the retry timer's):
+        # reap everything, refill, resolve the transfers.
         eng = self.engine
         finished = eng.pump()
         if finished:
-            deliver(finished)  # resolves their Transfers, in Cython
-            # Scheduled after the wakeups of the tasks just resolved, so the
-            # requests they make next are submitted later in that same loop
-            # iteration instead of one iteration after: keeps more in flight.
-            self._schedule()
+            # The tasks waiting on these run inside deliver and queue their
+            # next requests; those go to the kernel together in the flush
+            # right after, not one loop iteration later: the device refills
+            # as soon as the woken tasks have asked.
+            hub = self.hub
+            hub.hold()
+            try:
+                deliver(finished, None, self.loop)
+            except BaseException:  # SystemExit/KeyboardInterrupt from a callback
+                hub.scheduled = False
+                self._schedule()
+                raise
+            self._flush()
         elif eng.more:
             # The submit budget stopped this pump: continue next iteration,
             # after the loop has run what else is ready.
