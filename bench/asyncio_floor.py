@@ -11,8 +11,10 @@ fio's CPU per op (bench/compare.py):
     python3 bench/asyncio_floor.py --ops 200000
 
 Each loop runs twice: with exact asyncio futures (what a Task awaiting an
-aionvme transfer waits on) and with a Python subclass of asyncio.Future (what
-the runtime used before 2026-12-02): a Task takes its C fast path only for an
+aionvme transfer waited on from 2026-12-02 until stop 27, when transfers
+became future-likes of their own, resolved without a Future or a Handle:
+bench/README.md, tenth round) and with a Python subclass of asyncio.Future
+(what the runtime used before): a Task takes its C fast path only for an
 exact Future, and the subclass also costs more to make.
 """
 

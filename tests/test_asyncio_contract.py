@@ -123,8 +123,7 @@ async def test_gather_takes_the_futures_without_a_task_each(make_file):
     path, data = make_file(64 * 4096)
     bufs = [np.zeros(4096, np.uint8) for _ in range(64)]
     futs = [nvme.pread(b, path, i * 4096) for i, b in enumerate(bufs)]
-    # future-like (asyncio.isfuture: gather's fast path, no Task per call); an
-    # exact asyncio.Future inside, so a Task awaiting one takes its C fast path
+    # future-like (asyncio.isfuture: gather's fast path, no Task per call)
     assert all(asyncio.isfuture(f) for f in futs)
     tasks_before = len(asyncio.all_tasks())
     gathered = asyncio.gather(*futs)

@@ -278,13 +278,13 @@ def pread(
     Notes
     -----
     The call returns at once and the transfer starts now, awaited or not. The
-    awaitable is a future-like object (``asyncio.isfuture`` is true; it wraps
-    an exact ``asyncio.Future``, whose methods it offers) that is also a
+    awaitable is a future-like object (``asyncio.isfuture`` is true; it has
+    ``asyncio.Future``'s methods for reading and cancelling) that is also a
     coroutine: ``await`` it or pass it to ``asyncio.create_task``,
     ``TaskGroup.create_task``, ``ensure_future``, ``gather`` (no Task is made
     there), ``wait_for``, ``asyncio.timeout``, ``shield`` or anyio's task
     groups. It is not an instance of ``asyncio.Future``: test with
-    ``asyncio.isfuture``. Done-callbacks receive the wrapped Future.
+    ``asyncio.isfuture``. Done-callbacks receive the awaitable.
 
     Every error arrives at the await, never from the call: file-system and
     data errors (open failures, EISDIR, EACCES, ENOSPC, EIO, short reads, a
