@@ -110,6 +110,7 @@ cdef enum:
     T_CANCELLED = 3
 
 
+@cython.freelist(128)
 @cython.auto_pickle(False)   # an await in progress: nothing to pickle
 cdef class Transfer:
     """The awaitable of one request: a future-like object and a coroutine.

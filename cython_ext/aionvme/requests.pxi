@@ -176,6 +176,7 @@ cdef class FileHandle:
         self.closed = True
 
 
+@cython.freelist(128)
 cdef class Request:
     """One call's worth of I/O on one FileHandle. Created by Engine methods."""
 
