@@ -220,7 +220,6 @@ cdef class Request:
     cdef public object future
     cdef public object callback
     cdef public bint cancel_requested    # the awaiting side asked to cancel (see the reactor)
-    cdef public object cancel_msg
     cdef int _add_segment(self, object buf, object offset, bint writable) except -1
     cdef int _put_segment(self, char *addr, int64_t boff, int64_t n, int64_t off) except -1
     cdef void _release(self) noexcept

@@ -126,7 +126,6 @@ class Request:
     future: Any
     callback: Any
     cancel_requested: bool
-    cancel_msg: Any
     @property
     def nbytes(self) -> int: ...
     @property

@@ -106,8 +106,7 @@ class AsCoroutine:
     coroutine (``create_task``, ``TaskGroup.create_task``, anyio), while
     ``await``, ``gather``, ``ensure_future``, ``wait_for`` and ``shield`` still
     take it as the future it is: no Task per call. A Task running it sees the
-    future itself yielded, so cancelling that Task cancels the future (which
-    waits for the kernel: see :class:`_IOFuture`).
+    future itself yielded, so cancelling that Task cancels the future.
     """
 
     __slots__ = ()
@@ -132,25 +131,13 @@ class AsCoroutine:
         self._it = None
 
 
-class _IOFuture(AsCoroutine, asyncio.Future):  # type: ignore[type-arg]
-    """A Future whose cancellation waits for the kernel to let go of the buffer."""
+class _FailedFuture(AsCoroutine, asyncio.Future):  # type: ignore[type-arg]
+    """What :func:`failed` returns: a Future that is also a coroutine."""
 
-    __slots__ = ("_aio_req", "_it")
-    _aio_req: Request | None
-
-    def cancel(self, msg: Any = None) -> bool:
-        if self.done():
-            return False
-        req = self._aio_req
-        if req is None:
-            return super().cancel(msg)
-        req.cancel_requested = True
-        req.cancel_msg = msg
-        req.engine.owner._cancel(req)
-        return True
+    __slots__ = ("_it",)
 
 
-collections.abc.Coroutine.register(_IOFuture)
+collections.abc.Coroutine.register(_FailedFuture)
 
 
 class _NoLoop:
@@ -186,8 +173,7 @@ def failed(exc: BaseException, loop: asyncio.AbstractEventLoop | None = None) ->
         loop = asyncio._get_running_loop()
         if loop is None:
             return _raise(exc)
-    fut = _IOFuture(loop=loop)
-    fut._aio_req = None
+    fut = _FailedFuture(loop=loop)
     fut.set_exception(exc)
     return fut
 
