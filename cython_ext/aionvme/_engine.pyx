@@ -13,7 +13,7 @@ from cpython.buffer cimport (PyBUF_ANY_CONTIGUOUS, PyBUF_FORMAT, PyBUF_FULL_RO, 
 from cpython.exc cimport PyErr_CheckSignals, PyErr_Fetch, PyErr_Restore, PyErr_SetObject
 from cpython.object cimport PyObject
 from cpython.contextvars cimport PyContext_CopyCurrent, PyContext_Enter, PyContext_Exit
-from cpython.ref cimport Py_DECREF, Py_INCREF
+from cpython.ref cimport Py_DECREF, Py_INCREF, Py_XDECREF
 from libc.errno cimport EAGAIN, EBADF, EBUSY, EINTR, EINVAL, EIO, ENOMEM, EOPNOTSUPP, ESPIPE, errno
 from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free

@@ -356,20 +356,27 @@ cdef class Transfer:
         return 0
 
 
+cdef extern from "Python.h":
+    PyObject *PyObject_CallMethodOneArg(object obj, object name, object arg)   # NULL: raised
+    void PyErr_WriteUnraisable(object obj)
+
+
 cdef void _log_unretrieved(object loop, object exc) noexcept:
     # From a Transfer's dealloc, which may run while an exception is raised:
-    # that exception is kept as it is.
+    # that exception is kept as it is, and one from the handler itself goes
+    # to sys.unraisablehook (a dealloc cannot raise).
     cdef PyObject *et
     cdef PyObject *ev
     cdef PyObject *etb
     PyErr_Fetch(&et, &ev, &etb)
-    try:
-        loop.call_exception_handler({
-            "message": "Transfer exception was never retrieved",
-            "exception": exc,
-        })
-    except BaseException:
-        pass
+    r = PyObject_CallMethodOneArg(loop, "call_exception_handler", {
+        "message": "Transfer exception was never retrieved",
+        "exception": exc,
+    })
+    if r == NULL:
+        PyErr_WriteUnraisable(loop)
+    else:
+        Py_XDECREF(r)
     PyErr_Restore(et, ev, etb)
 
 
@@ -433,26 +440,6 @@ cdef int _wake(list woken) except -1:
     return 0
 
 
-cdef PyObject *_transfer_next(object o) except NULL:
-    # Transfer's tp_iternext (what an awaiting coroutine calls): the two common
-    # steps in C without Cython's traceback for a raised StopIteration, which
-    # cost ~3k instructions per await (a frame, a traceback, a function object).
-    cdef Transfer t = <Transfer>o
-    if not t.finished:
-        t.blocking = True
-        Py_INCREF(t)
-        return <PyObject *>t
-    if t.state == T_OK and t.thrown is None:
-        PyErr_SetObject(StopIteration, t.value)   # an int: no exception object is made
-        return NULL
-    r = t._step()   # raises
-    Py_INCREF(r)
-    return <PyObject *>r
-
-
-aionvme_set_iternext(Transfer, <iternextfunc>_transfer_next)
-
-
 cdef extern from *:
     """
     typedef int (*aionvme_sendfunc)(PyObject *, PyObject *, PyObject **);
@@ -498,6 +485,23 @@ cdef int _transfer_am_send(PyObject *o, PyObject *arg, PyObject **presult) excep
 
 
 aionvme_set_am_send(Transfer, <aionvme_sendfunc>_transfer_am_send)
+
+
+cdef PyObject *_transfer_next(object o) except NULL:
+    # Transfer's tp_iternext (next(), and awaits on interpreters that do not
+    # use am_send): am_send's answer, with the result raised as StopIteration
+    # in C, without Cython's traceback for it (~3k instructions per await: a
+    # frame, a traceback, a function object).
+    cdef PyObject *r = NULL
+    if _transfer_am_send(<PyObject *>o, NULL, &r) == 1:
+        return r
+    value = <object>r
+    Py_XDECREF(r)   # am_send's reference; ``value`` holds its own
+    PyErr_SetObject(StopIteration, value)   # an int: no exception object is made
+    return NULL
+
+
+aionvme_set_iternext(Transfer, <iternextfunc>_transfer_next)
 
 
 @cython.auto_pickle(False)
