@@ -356,18 +356,33 @@ cdef class Transfer:
         return 0
 
 
-cdef extern from "Python.h":
+cdef extern from *:
+    """
+    static int aionvme_finalizing(void) {
+    #if PY_VERSION_HEX >= 0x030D0000
+        return Py_IsFinalizing();
+    #else
+        return _Py_IsFinalizing();
+    #endif
+    }
+    """
     PyObject *PyObject_CallMethodOneArg(object obj, object name, object arg)   # NULL: raised
     void PyErr_WriteUnraisable(object obj)
+    bint aionvme_finalizing()
 
 
 cdef void _log_unretrieved(object loop, object exc) noexcept:
     # From a Transfer's dealloc, which may run while an exception is raised:
     # that exception is kept as it is, and one from the handler itself goes
-    # to sys.unraisablehook (a dealloc cannot raise).
+    # to sys.unraisablehook (a dealloc cannot raise). Not while the
+    # interpreter shuts down: a dealloc runs after the garbage collector
+    # cleared the cycle it was in, loop included (unlike a finalizer), so the
+    # loop cannot report anything then.
     cdef PyObject *et
     cdef PyObject *ev
     cdef PyObject *etb
+    if aionvme_finalizing():
+        return
     PyErr_Fetch(&et, &ev, &etb)
     r = PyObject_CallMethodOneArg(loop, "call_exception_handler", {
         "message": "Transfer exception was never retrieved",
