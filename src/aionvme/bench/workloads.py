@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import defaults, empty, gpu, stats
+from .. import Handle, defaults, empty, gpu, stats
 from .. import open as nvme_open
 from .. import pread as nvme_pread
 from .pattern import SEED, check_pattern, fill_pattern, holds_pattern, make_file, touched_buffers
@@ -152,9 +152,10 @@ async def randread(
     mode='gather': ``iodepth`` coroutines, each awaiting one pread after
     another (what an asyncio application does). mode='batch': a few
     coroutines, each awaiting pread_many of ``batch`` reads (one future per
-    batch), the file opened with parallelism iodepth / coroutines, so that at
-    most ``iodepth`` reads are in flight and each batch's window slides as
-    reads complete (a read's latency is its whole batch's).
+    batch) through a :class:`~aionvme.Handle` of ``queue_depth=iodepth``:
+    the batches share one window of ``iodepth`` reads, as fio's jobs share
+    its iodepth, the oldest batch first, so a batch's tail does not leave
+    the device below ``iodepth`` (a read's latency is its whole batch's).
     """
     if mode not in ("gather", "batch"):
         raise ValueError(f"mode must be 'gather' or 'batch', got {mode!r}")
@@ -168,8 +169,12 @@ async def randread(
     lat = [0.0] * ops
     last: dict[int, int] = {}
     _runtime_ready()
-    parallelism = None if mode == "gather" else max(1, iodepth // nworkers)
-    with nvme_open(path, parallelism=parallelism) as f, Timer() as t:
+    with contextlib.ExitStack() as stack:
+        f = stack.enter_context(nvme_open(path))
+        if mode == "batch":
+            h = stack.enter_context(Handle(queue_depth=iodepth))
+            await h.pread(bufs[0], f, 0)  # its engine made before the clock starts
+        t = stack.enter_context(Timer())
         if mode == "gather":
 
             async def worker(k: int) -> None:
@@ -191,7 +196,7 @@ async def randread(
                 for i in range(k * batch, ops, nworkers * batch):
                     j = min(batch, ops - i)
                     t1 = clock()
-                    await f.pread_many([(mine[x], offs[i + x]) for x in range(j)])
+                    await h.pread_many([(mine[x], offs[i + x]) for x in range(j)], f)
                     lat[i : i + j] = [clock() - t1] * j
                 # which read each slot saw last, for the check (out of the loop's way)
                 for x in range(j):
