@@ -237,9 +237,18 @@ cdef class Transfer:
             raise self._cancelled_error()
         raise _InvalidStateError("Exception is not set.")
 
+    @property
     def get_loop(self):
-        return self.loop
+        """The loop (asyncio's Future API: ``transfer.get_loop()``). A Task
+        awaiting a future-like looks this up and calls it at every await: a
+        method would be bound anew each time (~160 instructions); this gives
+        one callable per loop, made once by its Hub."""
+        cdef Hub hub = _hot_hub
+        if hub is not None and hub.loop is self.loop:
+            return hub.get_loop
+        return _repeat(self.loop).__next__
 
+    @cython.binding(False)
     def add_done_callback(self, fn, *, context=None):
         if context is None:
             context = PyContext_CopyCurrent()
@@ -537,6 +546,7 @@ cdef class Hub:
 
     cdef readonly Engine engine
     cdef object loop
+    cdef object get_loop          # a callable returning loop (Transfer.get_loop): repeat(loop).__next__
     cdef object call_soon
     cdef object flush_cb
     cdef public list held         # finished during an early flush, not delivered yet
@@ -549,6 +559,7 @@ cdef class Hub:
         self.engine = engine
         self.live = True
         self.loop = loop
+        self.get_loop = _repeat(loop).__next__
         self.call_soon = loop.call_soon
         self.flush_cb = flush_cb
         self.held = []
