@@ -153,9 +153,9 @@ async def randread(
     another (what an asyncio application does). mode='batch': a few
     coroutines, each awaiting pread_many of ``batch`` reads (one future per
     batch) through a :class:`~aionvme.Handle` of ``queue_depth=iodepth``:
-    the batches share one window of ``iodepth`` reads, as fio's jobs share
-    its iodepth, the oldest batch first, so a batch's tail does not leave
-    the device below ``iodepth`` (a read's latency is its whole batch's).
+    the batches share one window of ``iodepth`` reads (fio's iodepth counts
+    all of a job's reads alike), so a batch's tail does not leave the device
+    below ``iodepth`` (a read's latency is its whole batch's).
     """
     if mode not in ("gather", "batch"):
         raise ValueError(f"mode must be 'gather' or 'batch', got {mode!r}")
