@@ -46,7 +46,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         "--mode",
         choices=("gather", "batch", "both"),
         default="both",
-        help="randread: coroutines awaiting one read each, pread_many batches sharing --iodepth slots, or both",
+        help="randread: coroutines awaiting one read each, pread_many batches sharing --iodepth, or both",
     )
     p.add_argument("--nfiles", type=int, default=1000, help="manyfiles: number of files (1000)")
     p.add_argument("--file-size", default="1M", help="manyfiles: size of each (1M)")
