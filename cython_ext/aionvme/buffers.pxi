@@ -36,11 +36,12 @@ cdef int _diagnose_buffer(object buf, bint writable) except -1:
         PyBuffer_Release(&probe)
 
 
-cdef int _buffer_address(object buf, bint writable, Py_buffer *view, list keep,
+cdef int _buffer_address(object buf, bint writable, Py_buffer *view,
                          char **addr, int64_t *nbytes) except -1:
-    """Resolve buf to (address, size). Fills view (to release later) or appends
-    the owning object to keep; either way the memory stays alive and pinned in
-    place until the request is finished."""
+    """Resolve buf to (address, size). Fills view (to release later) and
+    returns 0, or returns 1: the caller must keep buf referenced instead.
+    Either way the memory stays alive and pinned in place until the request
+    is finished."""
     if PyObject_CheckBuffer(buf):
         try:
             PyObject_GetBuffer(buf, view, PyBUF_ANY_CONTIGUOUS | (PyBUF_WRITABLE if writable else 0))
@@ -58,8 +59,7 @@ cdef int _buffer_address(object buf, bint writable, Py_buffer *view, list keep,
             raise _exc.NonContiguousBufferError("tensor is not contiguous; pass tensor.contiguous()")
         addr[0] = <char *><uintptr_t>buf.data_ptr()
         nbytes[0] = buf.numel() * buf.element_size()
-        keep.append(buf)
-        return 0
+        return 1
     _diagnose_buffer(buf, writable)
     return -1
 
@@ -69,9 +69,8 @@ def buffer_info(object buf, bint writable=False):
     cdef Py_buffer view
     cdef char *addr
     cdef int64_t n
-    cdef list keep = []
     memset(&view, 0, sizeof(Py_buffer))
-    _buffer_address(buf, writable, &view, keep, &addr, &n)
+    _buffer_address(buf, writable, &view, &addr, &n)
     if <PyObject *>view.obj != NULL:
         PyBuffer_Release(&view)
     return <uintptr_t>addr, n

@@ -408,6 +408,8 @@ def gds_submit(Engine eng, FileHandle f, object items, bint write=False, long lo
         if boff < 0 or n < 0:
             raise ValueError("boff and nbytes must be >= 0")
         off = _file_offset(offset)
+        if req.keep is None:
+            req.keep = []
         req.keep.append(owner)
         req._put_segment(<char *>base, boff, n, off)
         req.c.segs[i].cuctx = _cu_context_of(base + <uintptr_t>boff)
