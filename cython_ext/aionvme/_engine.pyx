@@ -27,7 +27,6 @@ from aionvme.includes.uring cimport *
 
 import os
 import sys
-from itertools import repeat as _repeat
 from operator import index as _index
 
 from aionvme import exceptions as _exc

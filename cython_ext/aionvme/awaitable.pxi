@@ -27,6 +27,34 @@
 # and is raised once the chunks have landed. So when an await ends, the kernel
 # no longer writes into the buffer.
 
+@cython.final
+cdef class _LoopRef:
+    """Holds a loop; ``ref.get`` is a builtin method of no arguments that
+    returns it, which the interpreter calls without making an argument tuple
+    (Transfer.get_loop hands out one per loop)."""
+    cdef object loop
+
+    def __cinit__(self, loop):
+        self.loop = loop
+
+    @cython.binding(False)
+    def get(self):
+        return self.loop
+
+
+# A transfer's byte count: reads of one size in a row share one int object
+# instead of allocating one each (4096 is past the small-int cache).
+cdef object _count_obj = 0
+cdef int64_t _count_n = 0
+
+cdef inline object _count(int64_t n):
+    global _count_obj, _count_n
+    if n != _count_n:
+        _count_obj = n
+        _count_n = n
+    return _count_obj
+
+
 cdef extern from *:
     """
     static void aionvme_set_iternext(PyObject *t, iternextfunc f) {
@@ -246,7 +274,7 @@ cdef class Transfer:
         cdef Hub hub = _hot_hub
         if hub is not None and hub.loop is self.loop:
             return hub.get_loop
-        return _repeat(self.loop).__next__
+        return _LoopRef(self.loop).get
 
     @cython.binding(False)
     def add_done_callback(self, fn, *, context=None):
@@ -338,7 +366,7 @@ cdef class Transfer:
         elif ((req.c.flags & RF_FINISHED) and not (req.c.flags & (RF_CANCELLED | RF_SHORT_WRITE))
                 and req.c.err == 0 and req.c.short_seg < 0):
             self.state = T_OK
-            self.value = _req_nbytes(req)
+            self.value = _count(_req_nbytes(req))
         else:
             self._fail(req.exception())
         return 0
@@ -546,7 +574,7 @@ cdef class Hub:
 
     cdef readonly Engine engine
     cdef object loop
-    cdef object get_loop          # a callable returning loop (Transfer.get_loop): repeat(loop).__next__
+    cdef object get_loop          # a callable returning loop (Transfer.get_loop): _LoopRef(loop).get
     cdef object call_soon
     cdef object flush_cb
     cdef public list held         # finished during an early flush, not delivered yet
@@ -559,7 +587,7 @@ cdef class Hub:
         self.engine = engine
         self.live = True
         self.loop = loop
-        self.get_loop = _repeat(loop).__next__
+        self.get_loop = _LoopRef(loop).get
         self.call_soon = loop.call_soon
         self.flush_cb = flush_cb
         self.held = []
