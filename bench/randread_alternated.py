@@ -1,4 +1,4 @@
-"""4 KiB random reads, gather and batch on both loops, each round between two fio runs.
+"""4 KiB random reads, gather, batch and rows on both loops, each round between two fio runs.
 
     python3 bench/randread_alternated.py                      # 1 GiB file, 100k reads, 5 rounds
     python3 bench/randread_alternated.py --rounds 3 --ops 50000 --dir /nvme
@@ -40,7 +40,7 @@ print(json.dumps({"iops": r.ops / r.wall_s, "cpu_us": user + system, "user_us": 
                   "stall_ms": (r.max_stall_s or 0.0) * 1e3}))
 """
 
-MODES = [("uvloop", "gather"), ("uvloop", "batch"), ("asyncio", "gather"), ("asyncio", "batch")]
+MODES = [(lp, m) for lp in ("uvloop", "asyncio") for m in ("gather", "batch", "rows")]
 
 
 def main(argv: list[str] | None = None) -> int:

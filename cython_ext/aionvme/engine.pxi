@@ -793,6 +793,17 @@ cdef class Engine:
         """Queue one request made of (buf, offset) pairs, each filled whole."""
         return self._vector(f, OP_READ, items, block, max_inflight, mode)
 
+    def readrows(self, FileHandle f, object buf, object offsets, long long block=1 << 20,
+                 int max_inflight=0, int mode=0):
+        """Queue one request that fills row i of buf (buf's bytes split into
+        len(offsets) equal rows, in order) from offsets[i], each whole: a
+        batch of equal-sized reads without a Python object per read."""
+        cdef Request req = _rows_request(f, OP_READ, buf, offsets, block, max_inflight, mode)
+        if req.c.nsegs:
+            req.c.pos = req.c.segs[0].offset
+        self._enqueue(req)
+        return req
+
     def writev(self, FileHandle f, object items, long long block=1 << 20, int max_inflight=0,
                int mode=0):
         """Queue one request writing each (buf, offset) pair."""

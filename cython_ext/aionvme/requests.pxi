@@ -323,6 +323,70 @@ cdef int64_t _file_offset(object offset) except -1:
     return off
 
 
+cdef bint _int64_format(const char *fmt) noexcept:
+    """A buffer format of native 64-bit signed ints ('q', 'l' on LP64; '@'/'=' allowed)."""
+    if fmt == NULL:
+        return False
+    if fmt[0] == b'@' or fmt[0] == b'=':
+        fmt += 1
+    return (fmt[0] == b'q' or (fmt[0] == b'l' and sizeof(long) == 8)) and fmt[1] == 0
+
+
+cdef Request _rows_request(FileHandle f, int op, object buf, object offsets, int64_t block,
+                           int max_inflight, int mode):
+    """One request that moves row i of buf (buf.nbytes / len(offsets) bytes,
+    in order) at offsets[i]: one buffer export for all of them, the offsets
+    read in place from a 64-bit integer array (any other sequence of ints is
+    read item by item)."""
+    cdef Py_buffer ov
+    cdef const int64_t *o64 = NULL
+    cdef Py_ssize_t n, i
+    cdef int64_t row, off, nbytes
+    cdef char *addr
+    cdef Request req
+    cdef list seq = None
+    memset(&ov, 0, sizeof(Py_buffer))
+    if PyObject_CheckBuffer(offsets):
+        PyObject_GetBuffer(offsets, &ov, PyBUF_ANY_CONTIGUOUS | PyBUF_FORMAT)
+        if not (ov.ndim <= 1 and ov.itemsize == 8 and _int64_format(ov.format)):
+            PyBuffer_Release(&ov)
+            memset(&ov, 0, sizeof(Py_buffer))
+    try:
+        if <PyObject *>ov.obj != NULL:
+            o64 = <const int64_t *>ov.buf
+            n = ov.len // 8
+        else:
+            seq = list(offsets)
+            n = len(seq)
+        req = _new_request(f, op, <int>n if n > 0 else 1, block, max_inflight, mode)
+        if req.views != &req.view0:
+            free(req.views)   # one buffer for every row: one view
+            req.views = &req.view0
+        memset(&req.views[0], 0, sizeof(Py_buffer))
+        if _buffer_address(buf, op == OP_READ, &req.views[0], &addr, &nbytes):
+            req.keep = [buf]   # a tensor without the buffer protocol
+        req.nviews = 1
+        if n == 0:
+            if nbytes != 0:
+                raise ValueError(f"no offsets for a buffer of {nbytes} bytes")
+            return req
+        if nbytes % n != 0:
+            raise ValueError(f"a buffer of {nbytes} bytes does not split into {n} rows of equal size")
+        row = nbytes // n
+        for i in range(n):
+            if o64 != NULL:
+                off = o64[i]
+                if off < 0:
+                    raise _exc.InvalidOffsetError(f"offset must be >= 0, got {off} (row {i})")
+            else:
+                off = _file_offset(seq[i])
+            req._put_segment(addr + i * row, 0, row, off)
+        return req
+    finally:
+        if <PyObject *>ov.obj != NULL:
+            PyBuffer_Release(&ov)
+
+
 cdef Request _new_request(FileHandle f, int op, int nsegs, int64_t block, int max_inflight, int mode):
     if f.closed or f.closing:
         raise _exc.ClosedFileError(f"I/O on a closed file: {f.path!r}")

@@ -35,7 +35,7 @@ from .exceptions import (
     ShortWriteError,
     UnsupportedOperation,
 )
-from .file import File, fsync, open, pread, pread_many, pwrite, pwrite_many
+from .file import File, fsync, open, pread, pread_many, pread_rows, pwrite, pwrite_many
 from .formats import (
     BackgroundSave,
     SafetensorsError,
@@ -124,6 +124,7 @@ __all__ = [
     "open",
     "pread",
     "pread_many",
+    "pread_rows",
     "pwrite",
     "pwrite_many",
     "register",

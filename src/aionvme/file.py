@@ -20,7 +20,7 @@ from ._runtime import scatter, transfer
 from ._runtime.blocking import thread_engine
 from ._runtime.opening import FS_NAMES, FileBase, OpenInfo, PathLike, open_handle, parse_mode
 from ._runtime.reactor import REACTOR_ATTR, failed, get_reactor
-from ._runtime.transfer import FDATASYNC, FSYNC, READ, READV, WRITE, WRITEV
+from ._runtime.transfer import FDATASYNC, FSYNC, READ, READROWS, READV, WRITE, WRITEV
 from .exceptions import os_error
 
 bind_file_pread(defaults, REACTOR_ATTR, transfer.submit_file, READ)
@@ -34,6 +34,7 @@ __all__ = [
     "open",
     "pread",
     "pread_many",
+    "pread_rows",
     "pwrite",
     "pwrite_many",
 ]
@@ -157,6 +158,18 @@ class File(FileBase):
         """
         return transfer.submit(get_reactor, READV, self, items, 0, self._params())
 
+    def pread_rows(self, buf: Any, offsets: Any) -> Awaitable[int]:
+        """Fill row i of buf from offsets[i], for every i; one future for all.
+
+        buf's bytes are split into ``len(offsets)`` equal rows, in order (a
+        ``(n, row)`` array, or any buffer of n equal records). offsets: a 1-D
+        int64 array (read in place) or any sequence of ints. The batch of
+        :meth:`pread_many` without a Python object per read: one buffer export
+        and the offsets taken in C. Succeeds or raises as a unit; a short read
+        names the row (``ShortReadError.segment``).
+        """
+        return transfer.submit(get_reactor, READROWS, self, (buf, offsets), 0, self._params())
+
     def pwrite_many(self, items: Iterable[tuple[Any, int]]) -> Awaitable[int]:
         """Write each (buffer, offset) pair; one future for the whole batch."""
         return transfer.submit(get_reactor, WRITEV, self, items, 0, self._params())
@@ -182,6 +195,10 @@ class File(FileBase):
     def sync_pread_many(self, items: Iterable[tuple[Any, int]]) -> int:
         """Blocking :meth:`pread_many`."""
         return transfer.run(thread_engine(), READV, self, items, 0, self._params())
+
+    def sync_pread_rows(self, buf: Any, offsets: Any) -> int:
+        """Blocking :meth:`pread_rows`."""
+        return transfer.run(thread_engine(), READROWS, self, (buf, offsets), 0, self._params())
 
     def sync_pwrite_many(self, items: Iterable[tuple[Any, int]]) -> int:
         """Blocking :meth:`pwrite_many`."""
@@ -342,6 +359,23 @@ def pread_many(
     except Exception as e:
         return failed(e)
     return transfer.submit(get_reactor, READV, file, items, 0, p)
+
+
+def pread_rows(
+    buf: Any,
+    offsets: Any,
+    file: File | PathLike | int,
+    *,
+    block_size: int | str | None = None,
+    parallelism: int | None = None,
+) -> Awaitable[int]:
+    """Fill row i of buf from offsets[i] of one file (buf split into
+    len(offsets) equal rows); one future for all. See :meth:`File.pread_rows`."""
+    try:
+        p = transfer.params(block_size, parallelism)
+    except Exception as e:
+        return failed(e)
+    return transfer.submit(get_reactor, READROWS, file, (buf, offsets), 0, p)
 
 
 def pwrite_many(

@@ -28,7 +28,7 @@ from typing import Any
 from . import defaults
 from ._runtime import transfer
 from ._runtime.engines import HandleEngines
-from ._runtime.transfer import FDATASYNC, FSYNC, READ, READV, WRITE, WRITEV
+from ._runtime.transfer import FDATASYNC, FSYNC, READ, READROWS, READV, WRITE, WRITEV
 from .exceptions import SettingTypeError
 from .file import File, PathLike
 
@@ -276,6 +276,10 @@ class Handle:
         """Fill each (buffer, offset) pair from file; one awaitable for the batch."""
         return self._submit(READV, file, items)
 
+    def pread_rows(self, buf: Any, offsets: Any, file: FileLike) -> Awaitable[int]:
+        """Fill row i of buf from offsets[i] of file (see :meth:`aionvme.File.pread_rows`)."""
+        return self._submit(READROWS, file, (buf, offsets))
+
     def pwrite_many(self, items: Iterable[tuple[Any, int]], file: FileLike) -> Awaitable[int]:
         """Write each (buffer, offset) pair to file; one awaitable for the batch."""
         return self._submit(WRITEV, file, items)
@@ -298,6 +302,10 @@ class Handle:
     def sync_pread_many(self, items: Iterable[tuple[Any, int]], file: FileLike) -> int:
         """Blocking :meth:`pread_many`."""
         return self._run(READV, file, items)
+
+    def sync_pread_rows(self, buf: Any, offsets: Any, file: FileLike) -> int:
+        """Blocking :meth:`pread_rows`."""
+        return self._run(READROWS, file, (buf, offsets))
 
     def sync_pwrite_many(self, items: Iterable[tuple[Any, int]], file: FileLike) -> int:
         """Blocking :meth:`pwrite_many`."""

@@ -33,6 +33,7 @@ __all__ = [
     "FDATASYNC",
     "FSYNC",
     "READ",
+    "READROWS",
     "READV",
     "WRITE",
     "WRITEV",
@@ -47,7 +48,7 @@ __all__ = [
 ]
 
 # What a request does (one name per operation, used by every caller).
-READ, WRITE, READV, WRITEV, FSYNC, FDATASYNC = range(6)
+READ, WRITE, READV, WRITEV, FSYNC, FDATASYNC, READROWS = range(7)
 _WRITES = (WRITE, WRITEV)
 
 _params_cache: tuple[object, Params] = (None, (0, 0, 0))
@@ -89,6 +90,8 @@ def make(eng: Engine, op: int, fh: FileHandle, data: Any, offset: int, p: Params
         return eng.write(fh, data, offset, *p)
     if op == READV:
         return eng.readv(fh, data, *p)
+    if op == READROWS:
+        return eng.readrows(fh, data[0], data[1], *p)
     if op == WRITEV:
         if fh.direct:
             p = scatter.params_for(fh.fd, True, data, p)
@@ -102,7 +105,25 @@ def _cuda_items(op: int, data: Any, offset: int) -> list[tuple[Any, int]] | None
         return [(data, offset)] if is_cuda(data) else None
     if op in (READV, WRITEV):
         return data if any_cuda(data) else None
+    if op == READROWS and is_cuda(data[0]):
+        return _row_items(*data)
     return None
+
+
+def _row_items(buf: Any, offsets: Any) -> list[tuple[Any, int]]:
+    """A CUDA tensor's rows as (view, offset) items: its bytes split into
+    len(offsets) equal rows, as the engine splits a host buffer."""
+    offs = [int(o) for o in offsets]
+    flat = buf.reshape(-1)
+    if not offs:
+        if flat.numel():
+            raise ValueError(f"no offsets for a buffer of {flat.numel() * flat.element_size()} bytes")
+        return []
+    if flat.numel() % len(offs):
+        nbytes = flat.numel() * flat.element_size()
+        raise ValueError(f"a buffer of {nbytes} bytes does not split into {len(offs)} rows of equal size")
+    r = flat.numel() // len(offs)
+    return [(flat[i * r : (i + 1) * r], o) for i, o in enumerate(offs)]
 
 
 def _named(exc: Exception, fh: FileHandle | None) -> Exception:

@@ -85,7 +85,7 @@ class Entry:
     name: str
     target: Workload | str
     help: str = ""
-    modes: tuple[str, ...] = ()  # values of Context.mode the workload runs in (randread: gather, batch)
+    modes: tuple[str, ...] = ()  # values of Context.mode the workload runs in (randread: gather, batch, rows)
     in_all: bool = True  # part of ``-w all``
 
     def load(self) -> Workload:
@@ -181,7 +181,7 @@ async def _seqwrite(ctx: Context) -> Result:
     )
 
 
-@register("randread", help="random reads of bs bytes, iodepth in flight", modes=("gather", "batch"))
+@register("randread", help="random reads of bs bytes, iodepth in flight", modes=("gather", "batch", "rows"))
 async def _randread(ctx: Context) -> Result:
     path = ctx.path()
     make_file(path, ctx.size, overwrite=ctx.overwrite)

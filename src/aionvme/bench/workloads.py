@@ -155,10 +155,12 @@ async def randread(
     batch) through a :class:`~aionvme.Handle` of ``queue_depth=iodepth``:
     the batches share one window of ``iodepth`` reads (fio's iodepth counts
     all of a job's reads alike), so a batch's tail does not leave the device
-    below ``iodepth`` (a read's latency is its whole batch's).
+    below ``iodepth`` (a read's latency is its whole batch's). mode='rows':
+    the same batches as ``pread_rows`` (each batch's rows of one array, its
+    offsets as an int64 array: no Python object per read).
     """
-    if mode not in ("gather", "batch"):
-        raise ValueError(f"mode must be 'gather' or 'batch', got {mode!r}")
+    if mode not in ("gather", "batch", "rows"):
+        raise ValueError(f"mode must be 'gather', 'batch' or 'rows', got {mode!r}")
     size = os.path.getsize(path)
     offs = random_offsets(ops, size, bs).tolist()
     nworkers = max(1, min(4, iodepth))
@@ -171,7 +173,7 @@ async def randread(
     _runtime_ready()
     with contextlib.ExitStack() as stack:
         f = stack.enter_context(nvme_open(path))
-        if mode == "batch":
+        if mode != "gather":
             h = stack.enter_context(Handle(queue_depth=iodepth))
             await h.pread(bufs[0], f, 0)  # its engine made before the clock starts
         t = stack.enter_context(Timer())
@@ -187,7 +189,7 @@ async def randread(
                 last[k] = i
 
             await asyncio.gather(*(worker(k) for k in range(min(iodepth, ops))))
-        else:
+        elif mode == "batch":
 
             async def bworker(k: int) -> None:
                 clock = time.perf_counter
@@ -203,6 +205,22 @@ async def randread(
                     last[k * batch + x] = i + x
 
             await asyncio.gather(*(bworker(k) for k in range(nworkers)))
+        else:
+            offs64 = np.asarray(offs, dtype=np.int64)
+
+            async def rworker(k: int) -> None:
+                clock = time.perf_counter
+                mine = bufs[k * batch : (k + 1) * batch]
+                i = j = 0
+                for i in range(k * batch, ops, nworkers * batch):
+                    j = min(batch, ops - i)
+                    t1 = clock()
+                    await h.pread_rows(mine[:j], offs64[i : i + j], f)
+                    lat[i : i + j] = [clock() - t1] * j
+                for x in range(j):
+                    last[k * batch + x] = i + x
+
+            await asyncio.gather(*(rworker(k) for k in range(nworkers)))
     ok = all(check_pattern(bufs[slot], offs[i]) for slot, i in last.items())
     return t.result(
         "randread",
@@ -210,7 +228,7 @@ async def randread(
         ops,
         ok,
         latencies_s=lat,
-        params=dict(bs=bs, iodepth=iodepth, mode=mode, batch=batch if mode == "batch" else None),
+        params=dict(bs=bs, iodepth=iodepth, mode=mode, batch=None if mode == "gather" else batch),
     )
 
 

@@ -44,9 +44,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops", type=int, default=100_000, help="randread/randwrite operations (100000)")
     p.add_argument(
         "--mode",
-        choices=("gather", "batch", "both"),
-        default="both",
-        help="randread: coroutines awaiting one read each, pread_many batches sharing --iodepth, or both",
+        choices=("gather", "batch", "rows", "all", "both"),
+        default="all",
+        help="randread: coroutines awaiting one read each (gather), pread_many or pread_rows batches "
+        "sharing --iodepth (batch, rows), or all three (all; 'both' is the same)",
     )
     p.add_argument("--nfiles", type=int, default=1000, help="manyfiles: number of files (1000)")
     p.add_argument("--file-size", default="1M", help="manyfiles: size of each (1M)")
@@ -189,7 +190,7 @@ def _run(args: argparse.Namespace) -> int:
         for name in names:
             modes = B.get(name).modes
             if modes:
-                modes = modes if args.mode == "both" else (args.mode,)
+                modes = modes if args.mode in ("all", "both") else (args.mode,)
             for m in modes or ("gather",):
                 plan.extend((sv, name, m) for _ in range(args.repeat))
     note: str | None = "not root: the page cache was not dropped (O_DIRECT bypasses it)"

@@ -1,0 +1,142 @@
+"""pread_rows: a batch of equal-sized reads into the rows of one buffer, on
+real files, through each engine (kernel AIO, io_uring, worker threads) and
+both loops."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import aionvme as nvme
+
+
+def _offsets(n: int, size: int, row: int, seed: int, align: int = 4096) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return (rng.integers(0, (size - row) // align, n) * align).astype(np.int64)
+
+
+async def test_rows_hold_the_bytes_at_their_offsets(make_file, engine):
+    path, data = make_file(4 << 20)
+    offs = _offsets(300, len(data), 4096, seed=1)
+    buf = nvme.empty((300, 4096))
+    async with nvme.open(path) as f:
+        assert f.direct
+        assert await f.pread_rows(buf, offs) == buf.nbytes
+    for i, o in enumerate(offs):
+        assert np.array_equal(buf[i], data[o : o + 4096]), i
+
+
+@pytest.mark.parametrize("direct", [True, False])
+async def test_unaligned_rows_offsets_and_memory(make_file, engine, direct):
+    # rows of 1000 bytes at odd offsets, in memory that starts 3 bytes into a page:
+    # O_DIRECT goes through bounce blocks, buffered reads take them as they are
+    path, data = make_file(1 << 20, seed=2)
+    offs = [7, 999_000, 12_345, 0, 4095, 500_001]
+    raw = nvme.empty(3 + 6 * 1000)
+    buf = raw[3:].reshape(6, 1000)
+    async with nvme.open(path, direct=direct) as f:
+        assert await f.pread_rows(buf, offs) == 6000
+    for i, o in enumerate(offs):
+        assert np.array_equal(buf[i], data[o : o + 1000]), i
+
+
+async def test_offsets_of_any_integer_kind(make_file, engine):
+    path, data = make_file(1 << 20, seed=3)
+    want = [4096, 0, 65536, 8192]
+    for offs in (want, np.array(want, np.int32), np.array(want, np.uint64), torch.tensor(want), tuple(want)):
+        buf = np.zeros((4, 512), np.uint8)
+        assert await nvme.pread_rows(buf, offs, path) == buf.nbytes
+        for i, o in enumerate(want):
+            assert np.array_equal(buf[i], data[o : o + 512]), (type(offs), i)
+
+
+async def test_a_tensor_and_a_flat_buffer_split_into_rows(make_file, engine):
+    path, data = make_file(1 << 20, seed=4)
+    offs = np.array([8192, 0, 4096], np.int64)
+    t = torch.zeros((3, 1024), dtype=torch.float32)  # no buffer protocol: held by the request
+    async with nvme.open(path) as f:
+        assert await f.pread_rows(t, offs) == t.numel() * 4
+        flat = bytearray(3 * 100)  # any buffer of n equal records
+        assert await f.pread_rows(flat, offs) == 300
+    got = t.view(torch.uint8).numpy()
+    for i, o in enumerate(offs):
+        assert np.array_equal(got[i], data[o : o + 4096])
+        assert bytes(flat[i * 100 : (i + 1) * 100]) == data[o : o + 100].tobytes()
+
+
+def test_blocking_twin_and_handle(make_file, engine):
+    path, data = make_file(2 << 20, seed=5)
+    offs = _offsets(64, len(data), 4096, seed=6)
+    buf = nvme.empty((64, 4096))
+    with nvme.open(path) as f:
+        assert f.sync_pread_rows(buf, offs) == buf.nbytes
+    for i, o in enumerate(offs):
+        assert np.array_equal(buf[i], data[o : o + 4096])
+    buf[:] = 0
+    with nvme.Handle(queue_depth=16) as h:
+        assert h.sync_pread_rows(buf, offs, path) == buf.nbytes
+    for i, o in enumerate(offs):
+        assert np.array_equal(buf[i], data[o : o + 4096])
+
+
+async def test_handle_shares_its_depth_among_row_batches(make_file, engine):
+    import asyncio
+
+    path, data = make_file(4 << 20, seed=7)
+    offs = [_offsets(128, len(data), 4096, seed=s) for s in range(4)]
+    bufs = [nvme.empty((128, 4096)) for _ in range(4)]
+    async with nvme.Handle(queue_depth=32) as h, nvme.open(path) as f:
+        ns = await asyncio.gather(*(h.pread_rows(b, o, f) for b, o in zip(bufs, offs)))
+    assert ns == [128 * 4096] * 4
+    for b, o in zip(bufs, offs):
+        for i, off in enumerate(o):
+            assert np.array_equal(b[i], data[off : off + 4096])
+
+
+async def test_a_row_past_the_end_names_its_row(make_file, engine):
+    path, data = make_file(100_000, seed=8)
+    buf = np.zeros((3, 4096), np.uint8)
+    with pytest.raises(nvme.ShortReadError) as ei:
+        await nvme.pread_rows(buf, [0, len(data) - 100, 4096], path)
+    e = ei.value
+    assert e.segment == 1 and e.received == 100 and e.expected == 4096
+    assert e.filename == path
+
+
+async def test_bad_shapes_and_offsets_arrive_at_the_await(make_file, engine):
+    path, _ = make_file(1 << 20, seed=9)
+    async with nvme.open(path) as f:
+        t = f.pread_rows(np.zeros(1000, np.uint8), [0, 4096, 8192])  # 1000 bytes in 3 rows
+        with pytest.raises(ValueError, match="does not split into 3 rows"):
+            await t
+        with pytest.raises(nvme.InvalidOffsetError, match=r"row 1"):
+            await f.pread_rows(np.zeros((2, 10), np.uint8), np.array([0, -4096], np.int64))
+        with pytest.raises(nvme.InvalidOffsetError):
+            await f.pread_rows(np.zeros((2, 10), np.uint8), [0, -1])
+        with pytest.raises(TypeError):
+            await f.pread_rows(np.zeros((2, 10), np.uint8), ["0", "1"])
+        with pytest.raises(ValueError, match="no offsets"):
+            await f.pread_rows(np.zeros(10, np.uint8), [])
+        assert await f.pread_rows(np.zeros(0, np.uint8), []) == 0
+        with pytest.raises(nvme.ReadOnlyBufferError):
+            await f.pread_rows(b"x" * 20, [0, 10])
+    with pytest.raises(nvme.ClosedFileError):
+        await f.pread_rows(np.zeros((2, 10), np.uint8), [0, 10])
+
+
+async def test_the_buffer_and_offsets_are_let_go(make_file, engine):
+    # the offsets are read when the call is made; the buffer is held until the
+    # request has finished, then let go (numpy refuses to resize an array
+    # something else still references)
+    path, _ = make_file(1 << 20, seed=10)
+    buf = np.zeros((8, 4096), np.uint8)
+    offs = np.arange(8, dtype=np.int64) * 4096
+    async with nvme.open(path) as f:
+        t = f.pread_rows(buf, offs)
+        offs.resize(4)
+        with pytest.raises(ValueError, match="referenced"):
+            buf.resize((4, 4096))
+        await t
+        del t
+    buf.resize((4, 4096))
