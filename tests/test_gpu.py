@@ -128,6 +128,25 @@ async def test_gather_of_many_and_mixed_batches(way, data_file):
         assert np.array_equal(cuda[:1000].cpu().numpy(), data[7 * MiB : 7 * MiB + 1000])
 
 
+async def test_rows_of_a_cuda_tensor(way, tmp_path):
+    path = tmp_path / "rows.bin"
+    data = np.random.default_rng(3).integers(0, 256, 8 * MiB, dtype=np.uint8)
+    data.tofile(path)
+    offs = np.array([MiB, 0, 3 * MiB + 5, 7 * MiB], dtype=np.int64)
+    t = torch.zeros((4, 65536), dtype=torch.uint8, device="cuda")
+    async with nvme.open(path) as f:
+        assert await f.pread_rows(t, offs) == t.numel()
+        with pytest.raises(ValueError, match="does not split into 3 rows"):
+            await f.pread_rows(torch.zeros(100, dtype=torch.uint8, device="cuda"), [0, 1, 2])
+    got = t.cpu().numpy()
+    for i, o in enumerate(offs):
+        assert np.array_equal(got[i], data[o : o + 65536]), i
+    t.zero_()
+    with nvme.open(path) as f:
+        assert f.sync_pread_rows(t, offs.tolist()) == t.numel()
+    assert np.array_equal(t.cpu().numpy(), got)
+
+
 async def test_short_read_names_what_arrived(way, tmp_path):
     path = tmp_path / "s.bin"
     np.arange(MiB + 100, dtype=np.uint8).tofile(path)
