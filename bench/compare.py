@@ -324,6 +324,9 @@ def one_repetition(args: argparse.Namespace, d: str, points: list[B.Result], rep
         res[f"randread/aionvme gather ({loop})"] = _ours(
             _run(lambda: B.randread(path, ops=ops, iodepth=qd, mode="gather"), loop)
         )
+        res[f"randread/aionvme rows ({loop})"] = _ours(
+            _run(lambda: B.randread(path, ops=ops, iodepth=qd, mode="rows"), loop)
+        )
     small = max(2000, ops // 10)  # the slow baselines get fewer operations
     res["randread/threadpool preadv O_DIRECT"] = _run(lambda: threadpool_randread(path, small, qd), "asyncio")
     if have["aiofiles"]:
