@@ -138,6 +138,8 @@ async def test_rows_of_a_cuda_tensor(way, tmp_path):
         assert await f.pread_rows(t, offs) == t.numel()
         with pytest.raises(ValueError, match="does not split into 3 rows"):
             await f.pread_rows(torch.zeros(100, dtype=torch.uint8, device="cuda"), [0, 1, 2])
+        with pytest.raises(NonContiguousBufferError):
+            await f.pread_rows(t.t(), [0, 1])
     got = t.cpu().numpy()
     for i, o in enumerate(offs):
         assert np.array_equal(got[i], data[o : o + 65536]), i

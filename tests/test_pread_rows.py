@@ -121,6 +121,10 @@ async def test_bad_shapes_and_offsets_arrive_at_the_await(make_file, engine):
         assert await f.pread_rows(np.zeros(0, np.uint8), []) == 0
         with pytest.raises(nvme.ReadOnlyBufferError):
             await f.pread_rows(b"x" * 20, [0, 10])
+        with pytest.raises(nvme.NonContiguousBufferError):
+            await f.pread_rows(np.zeros((2, 8192), np.uint8)[:, ::2], [0, 4096])
+        with pytest.raises(nvme.NonContiguousBufferError):
+            await f.pread_rows(torch.zeros((8, 2)).t(), [0, 4096])
     with pytest.raises(nvme.ClosedFileError):
         await f.pread_rows(np.zeros((2, 10), np.uint8), [0, 10])
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from .. import _engine, defaults
 from .._engine import MODE_NO_OVERLAP, MODE_SINGLE_SUBMIT, Engine, FileHandle, Request
-from ..exceptions import CuFileError, ShortReadError, UnsupportedOperation
+from ..exceptions import CuFileError, NonContiguousBufferError, ShortReadError, UnsupportedOperation
 from . import bounce, cufile, scatter
 from .blocking import run as drive_request
 from .cuda import Params, any_cuda, helper, is_cuda, require_cuda
@@ -113,8 +113,10 @@ def _cuda_items(op: int, data: Any, offset: int) -> list[tuple[Any, int]] | None
 def _row_items(buf: Any, offsets: Any) -> list[tuple[Any, int]]:
     """A CUDA tensor's rows as (view, offset) items: its bytes split into
     len(offsets) equal rows, as the engine splits a host buffer."""
+    if not buf.is_contiguous():
+        raise NonContiguousBufferError("tensor is not contiguous; pass tensor.contiguous()")
     offs = [int(o) for o in offsets]
-    flat = buf.reshape(-1)
+    flat = buf.view(-1)
     if not offs:
         if flat.numel():
             raise ValueError(f"no offsets for a buffer of {flat.numel() * flat.element_size()} bytes")
