@@ -147,6 +147,12 @@ async def test_rows_of_a_cuda_tensor(way, tmp_path):
     with nvme.open(path) as f:
         assert f.sync_pread_rows(t, offs.tolist()) == t.numel()
     assert np.array_equal(t.cpu().numpy(), got)
+    # and back: the rows written from the GPU at other offsets
+    out = tmp_path / "rows-out.bin"
+    assert await nvme.pwrite_rows(t, offs[::-1].copy(), out) == t.numel()
+    raw = np.fromfile(out, np.uint8)
+    for i, o in enumerate(offs[::-1]):
+        assert np.array_equal(raw[o : o + 65536], got[i]), i
 
 
 async def test_short_read_names_what_arrived(way, tmp_path):

@@ -804,6 +804,16 @@ cdef class Engine:
         self._enqueue(req)
         return req
 
+    def writerows(self, FileHandle f, object buf, object offsets, long long block=1 << 20,
+                  int max_inflight=0, int mode=0):
+        """Queue one request that writes row i of buf (as readrows splits it)
+        at offsets[i]."""
+        cdef Request req = _rows_request(f, OP_WRITE, buf, offsets, block, max_inflight, mode)
+        if req.c.nsegs:
+            req.c.pos = req.c.segs[0].offset
+        self._enqueue(req)
+        return req
+
     def writev(self, FileHandle f, object items, long long block=1 << 20, int max_inflight=0,
                int mode=0):
         """Queue one request writing each (buf, offset) pair."""

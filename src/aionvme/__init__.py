@@ -35,7 +35,7 @@ from .exceptions import (
     ShortWriteError,
     UnsupportedOperation,
 )
-from .file import File, fsync, open, pread, pread_many, pread_rows, pwrite, pwrite_many
+from .file import File, fsync, open, pread, pread_many, pread_rows, pwrite, pwrite_many, pwrite_rows
 from .formats import (
     BackgroundSave,
     SafetensorsError,
@@ -127,6 +127,7 @@ __all__ = [
     "pread_rows",
     "pwrite",
     "pwrite_many",
+    "pwrite_rows",
     "register",
     "save",
     "save_in_background",

@@ -251,6 +251,15 @@ class Engine:
         max_inflight: int = ...,
         mode: int = ...,
     ) -> Request: ...
+    def writerows(
+        self,
+        f: FileHandle,
+        buf: object,
+        offsets: object,
+        block: int = ...,
+        max_inflight: int = ...,
+        mode: int = ...,
+    ) -> Request: ...
     def readrows(
         self,
         f: FileHandle,

@@ -20,7 +20,7 @@ from ._runtime import scatter, transfer
 from ._runtime.blocking import thread_engine
 from ._runtime.opening import FS_NAMES, FileBase, OpenInfo, PathLike, open_handle, parse_mode
 from ._runtime.reactor import REACTOR_ATTR, failed, get_reactor
-from ._runtime.transfer import FDATASYNC, FSYNC, READ, READROWS, READV, WRITE, WRITEV
+from ._runtime.transfer import FDATASYNC, FSYNC, READ, READROWS, READV, WRITE, WRITEROWS, WRITEV
 from .exceptions import os_error
 
 bind_file_pread(defaults, REACTOR_ATTR, transfer.submit_file, READ)
@@ -37,6 +37,7 @@ __all__ = [
     "pread_rows",
     "pwrite",
     "pwrite_many",
+    "pwrite_rows",
 ]
 
 
@@ -174,6 +175,11 @@ class File(FileBase):
         """Write each (buffer, offset) pair; one future for the whole batch."""
         return transfer.submit(get_reactor, WRITEV, self, items, 0, self._params())
 
+    def pwrite_rows(self, buf: Any, offsets: Any) -> Awaitable[int]:
+        """Write row i of buf at offsets[i], for every i; one future for all
+        (buf split into rows as :meth:`pread_rows` splits it)."""
+        return transfer.submit(get_reactor, WRITEROWS, self, (buf, offsets), 0, self._params())
+
     def fsync(self) -> Awaitable[int]:
         """fsync on a worker thread (the loop keeps running)."""
         return transfer.submit(get_reactor, FSYNC, self)
@@ -203,6 +209,10 @@ class File(FileBase):
     def sync_pwrite_many(self, items: Iterable[tuple[Any, int]]) -> int:
         """Blocking :meth:`pwrite_many`."""
         return transfer.run(thread_engine(), WRITEV, self, items, 0, self._params())
+
+    def sync_pwrite_rows(self, buf: Any, offsets: Any) -> int:
+        """Blocking :meth:`pwrite_rows`."""
+        return transfer.run(thread_engine(), WRITEROWS, self, (buf, offsets), 0, self._params())
 
     def sync_fsync(self) -> None:
         """Blocking :meth:`fsync`."""
@@ -391,6 +401,23 @@ def pwrite_many(
     except Exception as e:
         return failed(e)
     return transfer.submit(get_reactor, WRITEV, file, items, 0, p)
+
+
+def pwrite_rows(
+    buf: Any,
+    offsets: Any,
+    file: File | PathLike | int,
+    *,
+    block_size: int | str | None = None,
+    parallelism: int | None = None,
+) -> Awaitable[int]:
+    """Write row i of buf at offsets[i] of one file (buf split into
+    len(offsets) equal rows); one future for all. See :meth:`File.pwrite_rows`."""
+    try:
+        p = transfer.params(block_size, parallelism)
+    except Exception as e:
+        return failed(e)
+    return transfer.submit(get_reactor, WRITEROWS, file, (buf, offsets), 0, p)
 
 
 def fsync(file: File | PathLike | int, *, datasync: bool = False) -> Awaitable[int]:

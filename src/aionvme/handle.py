@@ -28,7 +28,7 @@ from typing import Any
 from . import defaults
 from ._runtime import transfer
 from ._runtime.engines import HandleEngines
-from ._runtime.transfer import FDATASYNC, FSYNC, READ, READROWS, READV, WRITE, WRITEV
+from ._runtime.transfer import FDATASYNC, FSYNC, READ, READROWS, READV, WRITE, WRITEROWS, WRITEV
 from .exceptions import SettingTypeError
 from .file import File, PathLike
 
@@ -284,6 +284,10 @@ class Handle:
         """Write each (buffer, offset) pair to file; one awaitable for the batch."""
         return self._submit(WRITEV, file, items)
 
+    def pwrite_rows(self, buf: Any, offsets: Any, file: FileLike) -> Awaitable[int]:
+        """Write row i of buf at offsets[i] of file (see :meth:`aionvme.File.pwrite_rows`)."""
+        return self._submit(WRITEROWS, file, (buf, offsets))
+
     def fsync(self, file: FileLike, *, datasync: bool = False) -> Awaitable[int]:
         """fsync (or fdatasync) file on a worker thread."""
         return self._submit(FDATASYNC if datasync else FSYNC, file)
@@ -306,6 +310,10 @@ class Handle:
     def sync_pread_rows(self, buf: Any, offsets: Any, file: FileLike) -> int:
         """Blocking :meth:`pread_rows`."""
         return self._run(READROWS, file, (buf, offsets))
+
+    def sync_pwrite_rows(self, buf: Any, offsets: Any, file: FileLike) -> int:
+        """Blocking :meth:`pwrite_rows`."""
+        return self._run(WRITEROWS, file, (buf, offsets))
 
     def sync_pwrite_many(self, items: Iterable[tuple[Any, int]], file: FileLike) -> int:
         """Blocking :meth:`pwrite_many`."""

@@ -36,6 +36,7 @@ __all__ = [
     "READROWS",
     "READV",
     "WRITE",
+    "WRITEROWS",
     "WRITEV",
     "Params",
     "params",
@@ -48,8 +49,8 @@ __all__ = [
 ]
 
 # What a request does (one name per operation, used by every caller).
-READ, WRITE, READV, WRITEV, FSYNC, FDATASYNC, READROWS = range(7)
-_WRITES = (WRITE, WRITEV)
+READ, WRITE, READV, WRITEV, FSYNC, FDATASYNC, READROWS, WRITEROWS = range(8)
+_WRITES = (WRITE, WRITEV, WRITEROWS)
 
 _params_cache: tuple[object, Params] = (None, (0, 0, 0))
 
@@ -92,6 +93,10 @@ def make(eng: Engine, op: int, fh: FileHandle, data: Any, offset: int, p: Params
         return eng.readv(fh, data, *p)
     if op == READROWS:
         return eng.readrows(fh, data[0], data[1], *p)
+    if op == WRITEROWS:
+        if fh.direct:
+            p = scatter.params_for_one(fh.fd, data[0], p)
+        return eng.writerows(fh, data[0], data[1], *p)
     if op == WRITEV:
         if fh.direct:
             p = scatter.params_for(fh.fd, True, data, p)
@@ -105,7 +110,7 @@ def _cuda_items(op: int, data: Any, offset: int) -> list[tuple[Any, int]] | None
         return [(data, offset)] if is_cuda(data) else None
     if op in (READV, WRITEV):
         return data if any_cuda(data) else None
-    if op == READROWS and is_cuda(data[0]):
+    if op in (READROWS, WRITEROWS) and is_cuda(data[0]):
         return _row_items(*data)
     return None
 

@@ -1,6 +1,6 @@
-"""pread_rows: a batch of equal-sized reads into the rows of one buffer, on
-real files, through each engine (kernel AIO, io_uring, worker threads) and
-both loops."""
+"""pread_rows / pwrite_rows: batches of equal-sized transfers between the
+rows of one buffer and offsets of a file, on real files, through each engine
+(kernel AIO, io_uring, worker threads) and both loops."""
 
 from __future__ import annotations
 
@@ -144,3 +144,59 @@ async def test_the_buffer_and_offsets_are_let_go(make_file, engine):
         await t
         del t
     buf.resize((4, 4096))
+
+
+@pytest.mark.parametrize("direct", [True, False])
+async def test_rows_written_land_at_their_offsets(make_file, engine, direct):
+    # aligned rows, and rows of 1000 bytes at odd offsets (O_DIRECT: read-modify-write
+    # of the blocks they share); the bytes between them are kept
+    path, data = make_file(1 << 20, seed=11)
+    expect = data.copy()
+    rows = np.random.default_rng(12).integers(0, 256, (4, 4096), dtype=np.uint8)
+    aligned = np.array([8192, 0, 65536, 4096 * 200], np.int64)
+    odd = [7, 500_001, 12_345, 999_000]
+    small = np.random.default_rng(13).integers(0, 256, (4, 1000), dtype=np.uint8)
+    async with nvme.open(path, "r+", direct=direct) as f:
+        assert await f.pwrite_rows(rows, aligned) == rows.nbytes
+        assert await f.pwrite_rows(small, odd) == small.nbytes
+    for i, o in enumerate(aligned):
+        expect[o : o + 4096] = rows[i]
+    for i, o in enumerate(odd):
+        expect[o : o + 1000] = small[i]
+    assert np.array_equal(np.fromfile(path, np.uint8), expect)
+
+
+async def test_rows_written_past_the_end_grow_the_file(tmp_dir, engine):
+    path = str(tmp_dir / "grow.bin")
+    rows = np.arange(3 * 4096, dtype=np.uint8).reshape(3, 4096)
+    assert await nvme.pwrite_rows(rows, [4096 * 10, 0, 4096 * 4], path) == rows.nbytes
+    raw = np.fromfile(path, np.uint8)
+    assert len(raw) == 4096 * 11
+    assert np.array_equal(raw[40960:], rows[0]) and np.array_equal(raw[:4096], rows[1])
+    assert np.array_equal(raw[4096 * 4 : 4096 * 5], rows[2]) and not raw[4096:16384].any()
+
+
+def test_rows_written_blocking_and_by_a_handle(make_file, engine):
+    path, data = make_file(1 << 20, seed=14)
+    rows = bytes(range(256)) * 32  # read-only memory is fine to write from: 2 rows of 4 KiB
+    with nvme.open(path, "r+") as f:
+        assert f.sync_pwrite_rows(rows, [4096, 0]) == 8192
+    with nvme.Handle(queue_depth=8) as h:
+        assert h.sync_pwrite_rows(np.full((2, 512), 9, np.uint8), [65536, 70000], path) == 1024
+    raw = np.fromfile(path, np.uint8)
+    assert raw[4096:8192].tobytes() == rows[:4096] and raw[:4096].tobytes() == rows[4096:]
+    assert (raw[65536 : 65536 + 512] == 9).all() and (raw[70000:70512] == 9).all()
+    assert np.array_equal(raw[8192:65536], data[8192:65536])
+
+
+async def test_bad_rows_to_write_arrive_at_the_await(make_file, engine):
+    path, data = make_file(1 << 16, seed=15)
+    async with nvme.open(path, "r+") as f:
+        with pytest.raises(ValueError, match="does not split into 3 rows"):
+            await f.pwrite_rows(np.zeros(1000, np.uint8), [0, 4096, 8192])
+        with pytest.raises(nvme.InvalidOffsetError, match="row 0"):
+            await f.pwrite_rows(np.zeros((1, 10), np.uint8), np.array([-1], np.int64))
+    async with nvme.open(path, "r") as f:
+        with pytest.raises(nvme.UnsupportedOperation):
+            await f.pwrite_rows(np.zeros((1, 10), np.uint8), [0])
+    assert np.array_equal(np.fromfile(path, np.uint8), data)
