@@ -10,7 +10,7 @@
 # say so; without libcufile they say why they could not run.
 #
 # Steps: build the extension in place; `aionvme info`; the tests marked `gpu`
-# (tests/test_gpu.py: both ways, random sizes and offsets incl. unaligned, a
+# (tests/test_gpu.py: both ways, random sizes and offsets incl. unaligned, rows, a
 # gather of many, cancellation, pinned empty, safetensors/checkpoints to cuda)
 # and the engine's GDS tests with the stand-in libcufile; then `aionvme bench
 # --gpu` (NVMe->GPU and GPU->NVMe through cuFile, the pinned bounce pipeline and
