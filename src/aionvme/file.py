@@ -381,11 +381,7 @@ def pread_rows(
 ) -> Awaitable[int]:
     """Fill row i of buf from offsets[i] of one file (buf split into
     len(offsets) equal rows); one future for all. See :meth:`File.pread_rows`."""
-    try:
-        p = transfer.params(block_size, parallelism)
-    except Exception as e:
-        return failed(e)
-    return transfer.submit(get_reactor, READROWS, file, (buf, offsets), 0, p)
+    return _rows(READROWS, buf, offsets, file, block_size, parallelism)
 
 
 def pwrite_many(
@@ -413,11 +409,15 @@ def pwrite_rows(
 ) -> Awaitable[int]:
     """Write row i of buf at offsets[i] of one file (buf split into
     len(offsets) equal rows); one future for all. See :meth:`File.pwrite_rows`."""
+    return _rows(WRITEROWS, buf, offsets, file, block_size, parallelism)
+
+
+def _rows(op: int, buf: Any, offsets: Any, file: Any, block_size: Any, parallelism: Any) -> Awaitable[int]:
     try:
         p = transfer.params(block_size, parallelism)
     except Exception as e:
         return failed(e)
-    return transfer.submit(get_reactor, WRITEROWS, file, (buf, offsets), 0, p)
+    return transfer.submit(get_reactor, op, file, (buf, offsets), 0, p)
 
 
 def fsync(file: File | PathLike | int, *, datasync: bool = False) -> Awaitable[int]:

@@ -189,7 +189,17 @@ async def randread(
                 last[k] = i
 
             await asyncio.gather(*(worker(k) for k in range(min(iodepth, ops))))
-        elif mode == "batch":
+        else:
+            if mode == "batch":
+
+                def read(mine: np.ndarray, i: int, j: int) -> Any:
+                    return h.pread_many([(mine[x], offs[i + x]) for x in range(j)], f)
+
+            else:
+                offs64 = np.asarray(offs, dtype=np.int64)
+
+                def read(mine: np.ndarray, i: int, j: int) -> Any:
+                    return h.pread_rows(mine[:j], offs64[i : i + j], f)
 
             async def bworker(k: int) -> None:
                 clock = time.perf_counter
@@ -198,29 +208,13 @@ async def randread(
                 for i in range(k * batch, ops, nworkers * batch):
                     j = min(batch, ops - i)
                     t1 = clock()
-                    await h.pread_many([(mine[x], offs[i + x]) for x in range(j)], f)
+                    await read(mine, i, j)
                     lat[i : i + j] = [clock() - t1] * j
                 # which read each slot saw last, for the check (out of the loop's way)
                 for x in range(j):
                     last[k * batch + x] = i + x
 
             await asyncio.gather(*(bworker(k) for k in range(nworkers)))
-        else:
-            offs64 = np.asarray(offs, dtype=np.int64)
-
-            async def rworker(k: int) -> None:
-                clock = time.perf_counter
-                mine = bufs[k * batch : (k + 1) * batch]
-                i = j = 0
-                for i in range(k * batch, ops, nworkers * batch):
-                    j = min(batch, ops - i)
-                    t1 = clock()
-                    await h.pread_rows(mine[:j], offs64[i : i + j], f)
-                    lat[i : i + j] = [clock() - t1] * j
-                for x in range(j):
-                    last[k * batch + x] = i + x
-
-            await asyncio.gather(*(rworker(k) for k in range(nworkers)))
     ok = all(check_pattern(bufs[slot], offs[i]) for slot, i in last.items())
     return t.result(
         "randread",
