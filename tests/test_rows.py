@@ -44,7 +44,15 @@ async def test_unaligned_rows_offsets_and_memory(make_file, engine, direct):
 async def test_offsets_of_any_integer_kind(make_file, engine):
     path, data = make_file(1 << 20, seed=3)
     want = [4096, 0, 65536, 8192]
-    for offs in (want, np.array(want, np.int32), np.array(want, np.uint64), torch.tensor(want), tuple(want)):
+    strided = np.array([4096, -1, 0, -1, 65536, -1, 8192, -1], np.int64)[::2]  # not contiguous
+    for offs in (
+        want,
+        np.array(want, np.int32),
+        np.array(want, np.uint64),
+        torch.tensor(want),
+        tuple(want),
+        strided,
+    ):
         buf = np.zeros((4, 512), np.uint8)
         assert await nvme.pread_rows(buf, offs, path) == buf.nbytes
         for i, o in enumerate(want):

@@ -799,8 +799,6 @@ cdef class Engine:
         len(offsets) equal rows, in order) from offsets[i], each whole: a
         batch of equal-sized reads without a Python object per read."""
         cdef Request req = _rows_request(f, OP_READ, buf, offsets, block, max_inflight, mode)
-        if req.c.nsegs:
-            req.c.pos = req.c.segs[0].offset
         self._enqueue(req)
         return req
 
@@ -809,8 +807,6 @@ cdef class Engine:
         """Queue one request that writes row i of buf (as readrows splits it)
         at offsets[i]."""
         cdef Request req = _rows_request(f, OP_WRITE, buf, offsets, block, max_inflight, mode)
-        if req.c.nsegs:
-            req.c.pos = req.c.segs[0].offset
         self._enqueue(req)
         return req
 

@@ -336,8 +336,8 @@ cdef Request _rows_request(FileHandle f, int op, object buf, object offsets, int
                            int max_inflight, int mode):
     """One request that moves row i of buf (buf.nbytes / len(offsets) bytes,
     in order) at offsets[i]: one buffer export for all of them, the offsets
-    read in place from a 64-bit integer array (any other sequence of ints is
-    read item by item)."""
+    read in place from a contiguous 1-D array of 64-bit ints (any other
+    sequence of ints is read item by item)."""
     cdef Py_buffer ov
     cdef const int64_t *o64 = NULL
     cdef Py_ssize_t n, i
@@ -347,10 +347,14 @@ cdef Request _rows_request(FileHandle f, int op, object buf, object offsets, int
     cdef list seq = None
     memset(&ov, 0, sizeof(Py_buffer))
     if PyObject_CheckBuffer(offsets):
-        PyObject_GetBuffer(offsets, &ov, PyBUF_ANY_CONTIGUOUS | PyBUF_FORMAT)
-        if not (ov.ndim <= 1 and ov.itemsize == 8 and _int64_format(ov.format)):
-            PyBuffer_Release(&ov)
-            memset(&ov, 0, sizeof(Py_buffer))
+        try:
+            PyObject_GetBuffer(offsets, &ov, PyBUF_ANY_CONTIGUOUS | PyBUF_FORMAT)
+        except (BufferError, ValueError, TypeError):
+            memset(&ov, 0, sizeof(Py_buffer))   # strided, say: read item by item
+        else:
+            if not (ov.ndim == 1 and ov.itemsize == 8 and _int64_format(ov.format)):
+                PyBuffer_Release(&ov)
+                memset(&ov, 0, sizeof(Py_buffer))
     try:
         if <PyObject *>ov.obj != NULL:
             o64 = <const int64_t *>ov.buf
@@ -358,12 +362,16 @@ cdef Request _rows_request(FileHandle f, int op, object buf, object offsets, int
         else:
             seq = list(offsets)
             n = len(seq)
-        req = _new_request(f, op, <int>n if n > 0 else 1, block, max_inflight, mode)
-        if req.views != &req.view0:
-            free(req.views)   # one buffer for every row: one view
-            req.views = &req.view0
-        memset(&req.views[0], 0, sizeof(Py_buffer))
-        if _buffer_address(buf, op == OP_READ, &req.views[0], &addr, &nbytes):
+        if n > 0x7fffffff:
+            raise ValueError(f"{n} rows in one request; at most {0x7fffffff}")
+        # one segment per row, one view for all of them
+        req = _new_request(f, op, 1, block, max_inflight, mode)
+        if n > 1:
+            req.c.segs = <Seg *>calloc(n, sizeof(Seg))
+            if req.c.segs == NULL:
+                raise MemoryError()
+        memset(&req.view0, 0, sizeof(Py_buffer))
+        if _buffer_address(buf, op == OP_READ, &req.view0, &addr, &nbytes):
             req.keep = [buf]   # a tensor without the buffer protocol
         req.nviews = 1
         if n == 0:

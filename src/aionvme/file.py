@@ -329,11 +329,7 @@ def pread(
     refuses coroutines (Python 3.11+), so it refuses these too: wait with
     ``gather(..., return_exceptions=True)`` or on ``create_task`` of them.
     """
-    try:
-        p = transfer.params(block_size, parallelism)
-    except Exception as e:
-        return failed(e)
-    return transfer.submit(get_reactor, READ, file, buf, offset, p)
+    return _call(READ, file, buf, offset, block_size, parallelism)
 
 
 def pwrite(
@@ -349,11 +345,7 @@ def pwrite(
     Never truncates: bytes beyond the write are kept. Use :func:`save`-style
     whole-file writes when the old content must survive a crash.
     """
-    try:
-        p = transfer.params(block_size, parallelism)
-    except Exception as e:
-        return failed(e)
-    return transfer.submit(get_reactor, WRITE, file, buf, offset, p)
+    return _call(WRITE, file, buf, offset, block_size, parallelism)
 
 
 def pread_many(
@@ -364,11 +356,7 @@ def pread_many(
     parallelism: int | None = None,
 ) -> Awaitable[int]:
     """Fill each (buffer, offset) pair from one file; one future for all."""
-    try:
-        p = transfer.params(block_size, parallelism)
-    except Exception as e:
-        return failed(e)
-    return transfer.submit(get_reactor, READV, file, items, 0, p)
+    return _call(READV, file, items, 0, block_size, parallelism)
 
 
 def pread_rows(
@@ -381,7 +369,7 @@ def pread_rows(
 ) -> Awaitable[int]:
     """Fill row i of buf from offsets[i] of one file (buf split into
     len(offsets) equal rows); one future for all. See :meth:`File.pread_rows`."""
-    return _rows(READROWS, buf, offsets, file, block_size, parallelism)
+    return _call(READROWS, file, (buf, offsets), 0, block_size, parallelism)
 
 
 def pwrite_many(
@@ -392,11 +380,7 @@ def pwrite_many(
     parallelism: int | None = None,
 ) -> Awaitable[int]:
     """Write each (buffer, offset) pair to one file; one future for all."""
-    try:
-        p = transfer.params(block_size, parallelism)
-    except Exception as e:
-        return failed(e)
-    return transfer.submit(get_reactor, WRITEV, file, items, 0, p)
+    return _call(WRITEV, file, items, 0, block_size, parallelism)
 
 
 def pwrite_rows(
@@ -409,15 +393,17 @@ def pwrite_rows(
 ) -> Awaitable[int]:
     """Write row i of buf at offsets[i] of one file (buf split into
     len(offsets) equal rows); one future for all. See :meth:`File.pwrite_rows`."""
-    return _rows(WRITEROWS, buf, offsets, file, block_size, parallelism)
+    return _call(WRITEROWS, file, (buf, offsets), 0, block_size, parallelism)
 
 
-def _rows(op: int, buf: Any, offsets: Any, file: Any, block_size: Any, parallelism: Any) -> Awaitable[int]:
+def _call(op: int, file: Any, data: Any, offset: int, block_size: Any, parallelism: Any) -> Awaitable[int]:
+    """The path functions' one body: their knobs checked (an error arrives at
+    the await), then the dispatch on the running loop."""
     try:
         p = transfer.params(block_size, parallelism)
     except Exception as e:
         return failed(e)
-    return transfer.submit(get_reactor, op, file, (buf, offsets), 0, p)
+    return transfer.submit(get_reactor, op, file, data, offset, p)
 
 
 def fsync(file: File | PathLike | int, *, datasync: bool = False) -> Awaitable[int]:
