@@ -13,12 +13,23 @@
  *   loop-single  the same wakeup, one io_submit per replacement
  *   spin         the mmapped ring polled without sleeping, one io_submit per
  *                replacement (a core burnt for the lowest refill latency)
+ *   gather       the loop's wakeup; each completion's replacement is queued after
+ *                SPIN_NS of busy work (a task's step: what Python spends per read)
+ *                and every 12 queued go in at once (calls of 8, 4): the shape of
+ *                64 coroutines awaiting aionvme reads (submit_batch 12, ramp 8;
+ *                GATHER_BATCH=N in the environment queues N instead of 12;
+ *                GATHER_FIRST=F makes each wakeup's first group F, doubling up to N)
+ *
+ * SPIN_NS (the 6th argument, default 0) is busy work per completion before its
+ * replacement is queued, in every mode: what the host spends per read beyond the
+ * shape's syscalls. IOPS against SPIN_NS is how much the disk's rate depends on
+ * the host's time per read.
  *
  * Prints IOPS, CPU per read (getrusage), context switches, and the block device's
  * own time per read from /sys/block/DEV/stat (reads in the device by Little's law).
  *
  *   cc -O2 -o /tmp/aio_shape bench/aio_shape.c
- *   /tmp/aio_shape FILE MODE [QD=64] [READS=100000] [DEV=vda]
+ *   /tmp/aio_shape FILE MODE [QD=64] [READS=100000] [DEV=vda] [SPIN_NS=0]
  *
  * Raw syscalls: no libaio needed.
  */
@@ -87,6 +98,12 @@ static double now(void) {
     return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
+static void busy(long ns) {
+    if (ns <= 0) return;
+    double end = now() + ns * 1e-9;
+    while (now() < end) {}
+}
+
 static void devstat(const char *dev, long long *ios, long long *ticks) {
     char path[256];
     snprintf(path, sizeof path, "/sys/block/%s/stat", dev);
@@ -103,14 +120,21 @@ static void devstat(const char *dev, long long *ios, long long *ticks) {
 
 int main(int argc, char **argv) {
     if (argc < 3) {
-        fprintf(stderr, "usage: %s FILE fio|fio-group|loop|loop-single|spin [QD] [READS] [DEV]\n", argv[0]);
+        fprintf(stderr, "usage: %s FILE fio|fio-group|loop|loop-single|spin|gather [QD] [READS] [DEV] [SPIN_NS]\n", argv[0]);
         return 2;
     }
     const char *mode = argv[2];
     int qd = argc > 3 ? atoi(argv[3]) : 64;
     long long total = argc > 4 ? atoll(argv[4]) : 100000;
     const char *dev = argc > 5 ? argv[5] : "vda";
-    int loop = !strncmp(mode, "loop", 4), spin = !strcmp(mode, "spin");
+    long spin_ns = argc > 6 ? atol(argv[6]) : 0;
+    int gather = !strcmp(mode, "gather");
+    int gather_batch = getenv("GATHER_BATCH") ? atoi(getenv("GATHER_BATCH")) : 12;
+    if (gather_batch < 1) gather_batch = 1;
+    /* GATHER_FIRST=F: each wakeup's first group is F, doubling up to the batch */
+    int gather_first = getenv("GATHER_FIRST") ? atoi(getenv("GATHER_FIRST")) : gather_batch;
+    if (gather_first < 1 || gather_first > gather_batch) gather_first = gather_batch;
+    int loop = !strncmp(mode, "loop", 4) || gather, spin = !strcmp(mode, "spin");
     int single = !strcmp(mode, "fio") || !strcmp(mode, "loop-single") || spin;
     if (!loop && !spin && strcmp(mode, "fio") && strcmp(mode, "fio-group")) {
         fprintf(stderr, "unknown mode %s\n", mode);
@@ -165,16 +189,22 @@ int main(int argc, char **argv) {
             if (rc < 0) { if (errno == EINTR) continue; perror("io_getevents"); return 1; }
             n = (int)rc;
         }
-        int k = 0;
+        int k = 0, cur_batch = gather_first;
         for (int j = 0; j < n; j++) {
             if ((long long)evs[j].res != 4096) { fprintf(stderr, "read failed: %lld\n", (long long)evs[j].res); return 1; }
             done++;
             if (issued < total) {
                 int i = (int)evs[j].data;
+                busy(spin_ns);
                 prep(i, loop);
                 issued++;
                 if (single) submit(&(struct iocb *){&cbs[i]}, 1, 1);
                 else list[k++] = &cbs[i];
+                if (gather && k == cur_batch) {
+                    submit(list, k, 8);
+                    k = 0;
+                    if (cur_batch < gather_batch) cur_batch = cur_batch * 2 < gather_batch ? cur_batch * 2 : gather_batch;
+                }
             }
         }
         if (k) submit(list, k, 8);
@@ -187,8 +217,8 @@ int main(int argc, char **argv) {
     double usr = (r1.ru_utime.tv_sec - r0.ru_utime.tv_sec) + (r1.ru_utime.tv_usec - r0.ru_utime.tv_usec) * 1e-6;
     long long dios = ios1 - ios0, dticks = ticks1 - ticks0;
     double devt = dios ? dticks * 1000.0 / dios : 0;   /* µs per read in the device */
-    printf("%-12s qd %3d  %8.0f IOPS  cpu %.2f us/read (user %.2f)  csw %ld  device %.0f us/read, %.1f in device\n",
-           mode, qd, total / dt, cpu / total * 1e6, usr / total * 1e6,
+    printf("%-12s spin %5ld ns  qd %3d  %8.0f IOPS  cpu %.2f us/read (user %.2f)  csw %ld  device %.0f us/read, %.1f in device\n",
+           mode, spin_ns, qd, total / dt, cpu / total * 1e6, usr / total * 1e6,
            (r1.ru_nvcsw - r0.ru_nvcsw) + (r1.ru_nivcsw - r0.ru_nivcsw),
            devt, devt * 1e-6 * total / dt);
     return 0;
