@@ -30,6 +30,32 @@ async def test_gather_of_10000_small_reads(make_file):
     assert np.array_equal(bufs, expect)
 
 
+async def test_longest_callback_counts_the_tasks_a_wakeup_runs(make_file):
+    # A task woken by its read's completion runs inside the reactor's
+    # callback: a task that then blocks for 30 ms holds the loop that long,
+    # and stats() says so once the callback returns.
+    path, data = make_file(1 << 20)
+    async with nvme.open(path) as f:
+        b = nvme.empty(4096)
+        await f.pread(b, 0)
+        reactor().reset_longest()
+        assert nvme.stats()["longest_callback_s"] == 0.0
+        for i in range(20):  # reads that do not block: far below 30 ms
+            await f.pread(b, i * 4096)
+        quick = nvme.stats()["longest_callback_s"]
+        assert 0.0 < quick < 0.03
+
+        async def reads_then_blocks() -> None:
+            await f.pread(b, 4096)
+            time.sleep(0.03)  # blocks the loop, inside the wakeup
+
+        await asyncio.gather(reads_then_blocks(), asyncio.sleep(0.05))
+        assert nvme.stats()["longest_callback_s"] >= 0.03
+        assert reactor().reset_longest() >= 0.03
+        assert nvme.stats()["longest_callback_s"] == 0.0
+    assert np.array_equal(b, data[4096:8192])
+
+
 async def _burst_submit_calls(path: str, n: int) -> int:
     async with nvme.open(path) as f:
         await f.pread(nvme.empty(4096), 0)  # warm: reactor exists

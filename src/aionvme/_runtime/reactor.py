@@ -29,6 +29,7 @@ import contextlib
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Awaitable
 from typing import Any
@@ -68,6 +69,10 @@ _owners: weakref.WeakKeyDictionary[Engine, int] = weakref.WeakKeyDictionary()  #
 _URING_MODE = {"uring": 2, "auto": 1}
 # Pump again this long after io_uring refused SQEs (Engine.backlog), doubling
 # up to _RETRY_MAX while it keeps refusing.
+_clock_ns = time.perf_counter_ns
+# Every reactor of the process (a loop has its shared one, and a Handle with
+# settings of its own has its own there too): for longest_callback.
+_ALL_REACTORS: weakref.WeakSet[Reactor] = weakref.WeakSet()
 _RETRY_FIRST = 0.001
 _RETRY_MAX = 0.1
 
@@ -195,6 +200,13 @@ class Reactor:
         self._retry: asyncio.TimerHandle | None = None
         self._retry_delay = _RETRY_FIRST
         self._fd = self.engine.fileno()
+        # The longest of this reactor's loop callbacks (a pump or a flush,
+        # with the tasks it wakes: they run inside it), in ns: how long
+        # aionvme held the loop at most. Costs two clock reads per wakeup,
+        # where a timer that watches the loop from outside wakes it every
+        # interval (bench/README.md, twelfth round).
+        self.longest_ns = 0
+        _ALL_REACTORS.add(self)
         loop.add_reader(self._fd, self._pump)
 
     # -- submitting ------------------------------------------------------------
@@ -215,7 +227,13 @@ class Reactor:
     def _flush(self) -> None:
         # Requests queued during this loop iteration go to the kernel together
         # (a loop callback: the tasks their completions wake run right here).
-        self._flush_from(self.loop)
+        t0 = _clock_ns()
+        try:
+            self._flush_from(self.loop)
+        finally:
+            t = _clock_ns() - t0
+            if t > self.longest_ns:
+                self.longest_ns = t
 
     def _flush_from(self, loop: asyncio.AbstractEventLoop | None) -> None:
         hub = self.hub
@@ -235,28 +253,34 @@ class Reactor:
     def _pump(self) -> None:
         # The eventfd is readable (a loop callback, or the retry timer's):
         # reap everything, refill, resolve the transfers.
+        t0 = _clock_ns()
         eng = self.engine
-        finished = eng.pump()
-        if finished:
-            # The tasks waiting on these run inside deliver and queue their
-            # next requests; those go to the kernel together in the flush
-            # right after, not one loop iteration later: the device refills
-            # as soon as the woken tasks have asked.
-            hub = self.hub
-            hub.hold()
-            try:
-                deliver(finished, None, self.loop)
-            except BaseException:  # SystemExit/KeyboardInterrupt from a callback
-                hub.scheduled = False
+        try:
+            finished = eng.pump()
+            if finished:
+                # The tasks waiting on these run inside deliver and queue their
+                # next requests; those go to the kernel together in the flush
+                # right after, not one loop iteration later: the device refills
+                # as soon as the woken tasks have asked.
+                hub = self.hub
+                hub.hold()
+                try:
+                    deliver(finished, None, self.loop)
+                except BaseException:  # SystemExit/KeyboardInterrupt from a callback
+                    hub.scheduled = False
+                    self._schedule()
+                    raise
+                self._flush_from(self.loop)
+            elif eng.more:
+                # The submit budget stopped this pump: continue next iteration,
+                # after the loop has run what else is ready.
                 self._schedule()
-                raise
-            self._flush()
-        elif eng.more:
-            # The submit budget stopped this pump: continue next iteration,
-            # after the loop has run what else is ready.
-            self._schedule()
-        if eng.backlog:
-            self._retry_later()
+            if eng.backlog:
+                self._retry_later()
+        finally:
+            t = _clock_ns() - t0
+            if t > self.longest_ns:
+                self.longest_ns = t
 
     def _retry_later(self) -> None:
         # io_uring refused SQEs for now (EAGAIN/EBUSY: no memory for requests):
@@ -314,7 +338,26 @@ class Reactor:
         self.hub.retire()
 
     def stats(self) -> dict[str, Any]:
-        return dict(self.engine.stats())
+        out = dict(self.engine.stats())
+        out["longest_callback_s"] = self.longest_ns / 1e9
+        return out
+
+    def reset_longest(self) -> float:
+        """The longest callback so far (seconds), and start measuring afresh."""
+        t, self.longest_ns = self.longest_ns, 0
+        return t / 1e9
+
+
+def longest_callback(loop: asyncio.AbstractEventLoop, reset: bool = False) -> float:
+    """The longest loop callback (seconds) of every reactor serving ``loop``
+    (its shared one and those of Handles); ``reset`` starts them afresh."""
+    longest = 0
+    for r in list(_ALL_REACTORS):
+        if r.loop is loop:
+            longest = max(longest, r.longest_ns)
+            if reset:
+                r.longest_ns = 0
+    return longest / 1e9
 
 
 def _engine_closed() -> EngineClosedError:
