@@ -201,6 +201,33 @@ async def test_timer_sees_a_loop_stall():
     assert r.max_stall_s == t.max_stall and r.mb_s > 0
 
 
+async def test_timer_takes_stalls_from_the_reactors(tmp_path):
+    # stalls="reactor": the longest of aionvme's callbacks on this loop, of
+    # the shared reactor and a Handle's own; a task woken by a read that then
+    # blocks the loop is inside such a callback. A stall outside any of them
+    # (before the reads) is not counted: no timer wakes the loop.
+    path = str(tmp_path / "f.bin")
+    B.make_file(path, 1 << 20)
+    buf = aionvme.empty(4096)
+    with aionvme.open(path) as f, aionvme.Handle(queue_depth=4) as h:
+        await f.pread(buf, 0)
+        await h.pread(buf, f, 0)
+        await asyncio.sleep(0)  # resumed by the loop, no longer inside the wakeup
+        with B.Timer(stalls="reactor") as t:
+            time.sleep(0.03)  # not in a reactor's callback
+            await f.pread(buf, 4096)
+        assert t.max_stall < 0.02
+        for blocked in ("file", "handle"):
+            with B.Timer(stalls="reactor") as t:
+                await (f.pread(buf, 8192) if blocked == "file" else h.pread(buf, f, 8192))
+                time.sleep(0.03)  # the wakeup runs this task inside the callback
+                await asyncio.sleep(0)
+            assert t.max_stall >= 0.03, blocked
+            assert t.result("x", 4096, 1).max_stall_s == t.max_stall
+    with pytest.raises(ValueError, match="stalls"):
+        B.Timer(stalls="monitor")
+
+
 def test_timer_without_a_loop():
     with B.Timer() as t:
         sum(range(100_000))
