@@ -11,7 +11,8 @@ Here every round runs fio (libaio, or --fio-engine io_uring; 4 KiB, QD 64, O_DIR
 would run it), then fio again; each of ours is divided by the mean of the two
 fio runs around it. Printed: median ratio (and range), median CPU per read (all
 threads of the process, over the timed reads; user + system) next to fio's own, worst
-loop stall.
+loop stall (the longest of aionvme's loop callbacks, with the tasks they wake: the
+workload's `Timer(stalls="reactor")`, which does not wake the loop as a 1 ms timer would).
 """
 
 from __future__ import annotations
