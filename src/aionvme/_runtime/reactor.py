@@ -73,6 +73,7 @@ _clock_ns = time.perf_counter_ns
 # Every reactor of the process (a loop has its shared one, and a Handle with
 # settings of its own has its own there too): for longest_callback.
 _ALL_REACTORS: weakref.WeakSet[Reactor] = weakref.WeakSet()
+_ALL_LOCK = threading.Lock()  # loops in other threads make reactors while one is listed
 _RETRY_FIRST = 0.001
 _RETRY_MAX = 0.1
 
@@ -206,7 +207,8 @@ class Reactor:
         # where a timer that watches the loop from outside wakes it every
         # interval (bench/README.md, twelfth round).
         self.longest_ns = 0
-        _ALL_REACTORS.add(self)
+        with _ALL_LOCK:
+            _ALL_REACTORS.add(self)
         loop.add_reader(self._fd, self._pump)
 
     # -- submitting ------------------------------------------------------------
@@ -352,7 +354,9 @@ def longest_callback(loop: asyncio.AbstractEventLoop, reset: bool = False) -> fl
     """The longest loop callback (seconds) of every reactor serving ``loop``
     (its shared one and those of Handles); ``reset`` starts them afresh."""
     longest = 0
-    for r in list(_ALL_REACTORS):
+    with _ALL_LOCK:
+        reactors = list(_ALL_REACTORS)
+    for r in reactors:
         if r.loop is loop:
             longest = max(longest, r.longest_ns)
             if reset:

@@ -65,8 +65,8 @@ class Timer:
     and a few percent of the IOPS (bench/README.md, twelfth round).
     ``stalls="reactor"`` takes the longest of aionvme's own loop callbacks
     instead (every reactor of the loop: ``aionvme.stats()["longest_callback_s"]``
-    is the shared one's; the tasks they wake included), which costs nothing: for timing aionvme's reads against peers
-    that are not watched either (fio).
+    is the shared one's; the tasks they wake included), which costs nothing:
+    for timing aionvme's reads against peers that are not watched either (fio).
 
     Examples
     --------

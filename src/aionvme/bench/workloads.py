@@ -193,7 +193,6 @@ async def randread(
             await h.pread(bufs[0], f, 0)  # its engine made before the clock starts
         t = stack.enter_context(Timer(stalls="reactor"))
         if mode == "gather":
-
             # Worker k reads offs[k], offs[k + iodepth], ...; it times the first
             # of every LATENCY_SAMPLE of them (the others run untimed).
             stride = iodepth * LATENCY_SAMPLE
