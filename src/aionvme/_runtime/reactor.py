@@ -67,13 +67,9 @@ _owners: weakref.WeakKeyDictionary[Engine, int] = weakref.WeakKeyDictionary()  #
 # O_DIRECT through the ring was 0.93-0.99x kernel AIO (4 KiB random reads,
 # sequential reads), cached 4 KiB reads 2.0x the worker pool at a third of the CPU.
 _URING_MODE = {"uring": 2, "auto": 1}
+_clock_ns = time.perf_counter_ns  # the reactor times its callbacks with it
 # Pump again this long after io_uring refused SQEs (Engine.backlog), doubling
 # up to _RETRY_MAX while it keeps refusing.
-_clock_ns = time.perf_counter_ns
-# Every reactor of the process (a loop has its shared one, and a Handle with
-# settings of its own has its own there too): for longest_callback.
-_ALL_REACTORS: weakref.WeakSet[Reactor] = weakref.WeakSet()
-_ALL_LOCK = threading.Lock()  # loops in other threads make reactors while one is listed
 _RETRY_FIRST = 0.001
 _RETRY_MAX = 0.1
 
@@ -207,8 +203,6 @@ class Reactor:
         # where a timer that watches the loop from outside wakes it every
         # interval (bench/README.md, twelfth round).
         self.longest_ns = 0
-        with _ALL_LOCK:
-            _ALL_REACTORS.add(self)
         loop.add_reader(self._fd, self._pump)
 
     # -- submitting ------------------------------------------------------------
@@ -353,11 +347,16 @@ class Reactor:
 def longest_callback(loop: asyncio.AbstractEventLoop, reset: bool = False) -> float:
     """The longest loop callback (seconds) of every reactor serving ``loop``
     (its shared one and those of Handles); ``reset`` starts them afresh."""
+    while True:
+        try:
+            engines = list(_engines)
+            break
+        except RuntimeError:  # another thread's loop made an engine meanwhile
+            continue
     longest = 0
-    with _ALL_LOCK:
-        reactors = list(_ALL_REACTORS)
-    for r in reactors:
-        if r.loop is loop:
+    for eng in engines:
+        r = eng.owner
+        if isinstance(r, Reactor) and r.loop is loop:
             longest = max(longest, r.longest_ns)
             if reset:
                 r.longest_ns = 0
