@@ -81,7 +81,8 @@ class Timer:
             raise ValueError(f"stalls must be 'timer' or 'reactor', got {stalls!r}")
         self.stalls = stalls
         self.stall = StallMonitor()
-        self._reactor: asyncio.AbstractEventLoop | None = None  # the loop whose reactors time themselves
+        # stalls="reactor": the loop whose reactors time themselves
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._longest = 0.0
         self.wall = self.cpu = self.user = self.sys = 0.0
         self._t = 0.0
@@ -95,8 +96,8 @@ class Timer:
             self._watching = False
         else:
             if self.stalls == "reactor":
-                self._reactor = asyncio.get_running_loop()
-                longest_callback(self._reactor, reset=True)
+                self._loop = asyncio.get_running_loop()
+                longest_callback(self._loop, reset=True)
             else:
                 self.stall.start()
             self._watching = True
@@ -108,9 +109,9 @@ class Timer:
         self.wall = time.perf_counter() - self._t
         ru = resource.getrusage(resource.RUSAGE_SELF)
         if self._watching:
-            if self._reactor is not None:
-                self._longest = longest_callback(self._reactor, reset=True)
-                self._reactor = None
+            if self._loop is not None:
+                self._longest = longest_callback(self._loop, reset=True)
+                self._loop = None
             else:
                 self.stall.stop()
         self.user = ru.ru_utime - self._ru.ru_utime
