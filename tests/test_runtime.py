@@ -56,6 +56,50 @@ async def test_longest_callback_counts_the_tasks_a_wakeup_runs(make_file):
     assert np.array_equal(b, data[4096:8192])
 
 
+async def test_wakeups_past_the_time_budget_are_left_to_the_loop(make_file, monkeypatch):
+    # The tasks a reap wakes run inside the reactor's callback until its time
+    # budget is spent; the rest go through the loop, in order. With no budget
+    # at all, at most 8 (one clock check's worth) run inside any one pump,
+    # and every read still lands in its own buffer.
+    from aionvme import _engine
+
+    path, data = make_file(64 * 4096)
+    inside: list[int] = []  # tasks resumed inside each pump
+    state = {"pumping": False}
+    orig = _reactor.Reactor._pump
+
+    def pump(self):
+        state["pumping"] = True
+        inside.append(0)
+        try:
+            orig(self)
+        finally:
+            state["pumping"] = False
+
+    monkeypatch.setattr(_reactor.Reactor, "_pump", pump)
+    old = _engine._set_wake_budget(0)
+    try:
+        bufs = nvme.empty((64, 4096))
+        order: list[int] = []
+        async with nvme.open(path) as f:
+            await f.pread(bufs[0], 0)
+
+            async def one(i: int) -> None:
+                await f.pread(bufs[i], i * 4096)
+                order.append(i)
+                if state["pumping"]:
+                    inside[-1] += 1
+
+            for _ in range(3):
+                await asyncio.gather(*(one(i) for i in range(64)))
+    finally:
+        _engine._set_wake_budget(old)
+    assert np.array_equal(bufs.reshape(-1), data)
+    assert sorted(order) == sorted(list(range(64)) * 3)
+    assert max(inside) <= 8
+    assert sum(inside) < len(order)  # some went through the loop
+
+
 async def _burst_submit_calls(path: str, n: int) -> int:
     async with nvme.open(path) as f:
         await f.pread(nvme.empty(4096), 0)  # warm: reactor exists
