@@ -90,12 +90,15 @@ async def test_wakeups_past_the_time_budget_are_left_to_the_loop(make_file, monk
                 if state["pumping"]:
                     inside[-1] += 1
 
-            for _ in range(3):
+            rounds = 0
+            while rounds < 3 or (sum(inside) == len(order) and rounds < 30):
+                # until a reap has woken more than 8 (its completions may trickle in)
                 await asyncio.gather(*(one(i) for i in range(64)))
+                rounds += 1
     finally:
         _engine._set_wake_budget(old)
     assert np.array_equal(bufs.reshape(-1), data)
-    assert sorted(order) == sorted(list(range(64)) * 3)
+    assert sorted(order) == sorted(list(range(64)) * rounds)
     assert max(inside) <= 8
     assert sum(inside) < len(order)  # some went through the loop
 
