@@ -227,9 +227,13 @@ class Reactor:
         try:
             self._flush_from(self.loop)
         finally:
-            t = _clock_ns() - t0
-            if t > self.longest_ns:
-                self.longest_ns = t
+            self._timed(t0)
+
+    def _timed(self, t0: int) -> None:
+        # the end of a loop callback that began at t0 (_clock_ns)
+        t = _clock_ns() - t0
+        if t > self.longest_ns:
+            self.longest_ns = t
 
     def _flush_from(self, loop: asyncio.AbstractEventLoop | None) -> None:
         hub = self.hub
@@ -274,9 +278,7 @@ class Reactor:
             if eng.backlog:
                 self._retry_later()
         finally:
-            t = _clock_ns() - t0
-            if t > self.longest_ns:
-                self.longest_ns = t
+            self._timed(t0)
 
     def _retry_later(self) -> None:
         # io_uring refused SQEs for now (EAGAIN/EBUSY: no memory for requests):
@@ -337,11 +339,6 @@ class Reactor:
         out = dict(self.engine.stats())
         out["longest_callback_s"] = self.longest_ns / 1e9
         return out
-
-    def reset_longest(self) -> float:
-        """The longest callback so far (seconds), and start measuring afresh."""
-        t, self.longest_ns = self.longest_ns, 0
-        return t / 1e9
 
 
 def longest_callback(loop: asyncio.AbstractEventLoop, reset: bool = False) -> float:
