@@ -26,7 +26,11 @@
  * the host's time per read.
  *
  * Prints IOPS, CPU per read (getrusage), context switches, and the block device's
- * own time per read from /sys/block/DEV/stat (reads in the device by Little's law).
+ * own time per read from /sys/block/DEV/stat (reads in the device by Little's law);
+ * then the longest step: the time from a wait's return (epoll_wait, io_getevents, or
+ * a poll of the ring that found completions) to the next wait, with the thread's CPU
+ * time in it, and how many steps took over 5 ms: what an event loop would count as
+ * the stall of its callback, for a program with no Python in it.
  *
  *   cc -O2 -o /tmp/aio_shape bench/aio_shape.c
  *   /tmp/aio_shape FILE MODE [QD=64] [READS=100000] [DEV=vda] [SPIN_NS=0]
@@ -95,6 +99,12 @@ static void submit(struct iocb **list, int n, int ramp) {
 static double now(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+static double thread_cpu(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
     return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
@@ -169,13 +179,17 @@ int main(int argc, char **argv) {
     for (int i = 0; i < qd; i++) { prep(i, loop); list[i] = &cbs[i]; }
     submit(list, qd, single ? 1 : 8);
     long long issued = qd, done = 0;
+    double step_max = 0, step_max_cpu = 0;
+    long long steps_over_5ms = 0;
     while (done < total) {
         int n = 0;
+        double s0 = 0, c0 = 0;
         if (loop || spin) {
             if (loop) {
                 struct epoll_event e;
                 uint64_t v;
                 if (epoll_wait(ep, &e, 1, -1) < 0) { if (errno == EINTR) continue; perror("epoll_wait"); return 1; }
+                s0 = now(), c0 = thread_cpu();
                 if (read(efd, &v, 8) < 0 && errno != EAGAIN) { perror("read"); return 1; }
             }
             unsigned head = ring->head, tail = __atomic_load_n(&ring->tail, __ATOMIC_ACQUIRE);
@@ -184,11 +198,14 @@ int main(int argc, char **argv) {
                 if (++head >= ring->nr) head = 0;
             }
             __atomic_store_n(&ring->head, head, __ATOMIC_RELEASE);
+            if (spin && n) s0 = now(), c0 = thread_cpu();
         } else {
             long rc = syscall(SYS_io_getevents, ctx, 1L, (long)qd, evs, NULL);
             if (rc < 0) { if (errno == EINTR) continue; perror("io_getevents"); return 1; }
             n = (int)rc;
+            s0 = now(), c0 = thread_cpu();
         }
+        if (n == 0) continue;   /* a poll or wakeup that found nothing: not a step */
         int k = 0, cur_batch = gather_first;
         for (int j = 0; j < n; j++) {
             if ((long long)evs[j].res != 4096) { fprintf(stderr, "read failed: %lld\n", (long long)evs[j].res); return 1; }
@@ -208,6 +225,9 @@ int main(int argc, char **argv) {
             }
         }
         if (k) submit(list, k, 8);
+        double step = now() - s0;
+        if (step > 5e-3) steps_over_5ms++;
+        if (step > step_max) { step_max = step; step_max_cpu = thread_cpu() - c0; }
     }
     double dt = now() - t0;
     getrusage(RUSAGE_SELF, &r1);
@@ -221,5 +241,7 @@ int main(int argc, char **argv) {
            mode, spin_ns, qd, total / dt, cpu / total * 1e6, usr / total * 1e6,
            (r1.ru_nvcsw - r0.ru_nvcsw) + (r1.ru_nivcsw - r0.ru_nivcsw),
            devt, devt * 1e-6 * total / dt);
+    printf("longest step %.2f ms (thread cpu %.2f ms), steps over 5 ms %lld\n",
+           step_max * 1e3, step_max_cpu * 1e3, steps_over_5ms);
     return 0;
 }
