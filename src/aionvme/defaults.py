@@ -258,7 +258,7 @@ class Settings:
     ring_reap: bool = True
     submit_budget: int = 8 << 20
     inflight_bytes: int = 64 << 20
-    submit_batch: int = 12
+    submit_batch: int = 4
     submit_ramp: int = 8
     single_submit: bool = False
     overlap_events: bool = True
