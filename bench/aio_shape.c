@@ -20,6 +20,9 @@
  *                GATHER_BATCH=N in the environment queues N instead of 12;
  *                GATHER_FIRST=F makes each wakeup's first group F, doubling up to N)
  *
+ * RAMP=R (default 8, aionvme's submit_ramp) is the first call's count of iocbs in
+ * the grouped shapes, doubling in each next call; RAMP_FIXED=1 keeps every call at R.
+ *
  * SPIN_NS (the 6th argument, default 0) is busy work per completion before its
  * replacement is queued, in every mode: what the host spends per read beyond the
  * shape's syscalls. IOPS against SPIN_NS is how much the disk's rate depends on
@@ -85,6 +88,8 @@ static void prep(int i, int resfd) {
     }
 }
 
+static int ramp_fixed;   /* RAMP_FIXED=1: calls of `ramp` iocbs each, not doubling */
+
 static void submit(struct iocb **list, int n, int ramp) {
     int i = 0, cap = ramp > 0 ? ramp : n;
     while (i < n) {
@@ -92,7 +97,7 @@ static void submit(struct iocb **list, int n, int ramp) {
         long rc = syscall(SYS_io_submit, ctx, (long)k, &list[i]);
         if (rc <= 0) { perror("io_submit"); exit(1); }
         i += (int)rc;
-        if (cap < n) cap *= 2;
+        if (cap < n && !ramp_fixed) cap *= 2;
     }
 }
 
@@ -139,6 +144,9 @@ int main(int argc, char **argv) {
     const char *dev = argc > 5 ? argv[5] : "vda";
     long spin_ns = argc > 6 ? atol(argv[6]) : 0;
     int gather = !strcmp(mode, "gather");
+    /* RAMP=R: the first call of a group has R iocbs, doubling (8, aionvme's submit_ramp) */
+    int ramp = getenv("RAMP") ? atoi(getenv("RAMP")) : 8;
+    ramp_fixed = getenv("RAMP_FIXED") && atoi(getenv("RAMP_FIXED"));
     int gather_batch = getenv("GATHER_BATCH") ? atoi(getenv("GATHER_BATCH")) : 12;
     if (gather_batch < 1) gather_batch = 1;
     /* GATHER_FIRST=F: each wakeup's first group is F, doubling up to the batch */
@@ -177,7 +185,7 @@ int main(int argc, char **argv) {
     getrusage(RUSAGE_SELF, &r0);
     double t0 = now();
     for (int i = 0; i < qd; i++) { prep(i, loop); list[i] = &cbs[i]; }
-    submit(list, qd, single ? 1 : 8);
+    submit(list, qd, single ? 1 : ramp);
     long long issued = qd, done = 0;
     double step_max = 0, step_max_cpu = 0;
     long long steps_over_5ms = 0;
@@ -218,13 +226,13 @@ int main(int argc, char **argv) {
                 if (single) submit(&(struct iocb *){&cbs[i]}, 1, 1);
                 else list[k++] = &cbs[i];
                 if (gather && k == cur_batch) {
-                    submit(list, k, 8);
+                    submit(list, k, ramp);
                     k = 0;
                     if (cur_batch < gather_batch) cur_batch = cur_batch * 2 < gather_batch ? cur_batch * 2 : gather_batch;
                 }
             }
         }
-        if (k) submit(list, k, 8);
+        if (k) submit(list, k, ramp);
         double step = now() - s0;
         if (step > 5e-3) steps_over_5ms++;
         if (step > step_max) { step_max = step; step_max_cpu = thread_cpu() - c0; }
