@@ -9,6 +9,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -399,3 +400,34 @@ def test_every_bench_script_imports_and_answers_help(script):
         argv[-1] = "2000"
     r = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=root)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler (cc)")
+@pytest.mark.parametrize("mode", ["fio", "loop", "gather"])
+def test_aio_shape_runs_each_shape_and_reports_its_longest_step(tmp_path, mode):
+    # bench/aio_shape.c gives bench/README.md its C figures: it must keep
+    # building, reading, and reporting the step line next to the reactor's.
+    root = Path(__file__).resolve().parent.parent
+    exe = tmp_path / "aio_shape"
+    src = str(root / "bench" / "aio_shape.c")
+    subprocess.run(["cc", "-O2", "-o", str(exe), src], check=True, timeout=120)
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(4 << 20))
+    env = {**os.environ, "GATHER_BATCH": "4", "RAMP": "2"}
+    r = subprocess.run(
+        [str(exe), str(path), mode, "8", "2000", "no-such-dev", "100"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    if r.returncode != 0 and "Invalid argument" in r.stderr:
+        pytest.skip(f"O_DIRECT not supported on {tmp_path}: {r.stderr.strip()}")
+    assert r.returncode == 0, r.stderr
+    m = re.search(r"(\d+) IOPS\s+cpu ([\d.]+) us/read", r.stdout)
+    assert m and int(m.group(1)) > 0, r.stdout
+    step = re.search(r"longest step ([\d.]+) ms \(thread cpu ([\d.]+) ms\), steps over 5 ms (\d+)", r.stdout)
+    assert step, r.stdout
+    longest, cpu = float(step.group(1)), float(step.group(2))
+    # 2000 reads with 100 ns of work each: some step took time, and its CPU is within it
+    assert longest > 0 and cpu <= longest + 0.05, r.stdout
