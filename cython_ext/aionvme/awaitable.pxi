@@ -591,9 +591,9 @@ cdef class Hub:
     of completions queue their next reads one by one, and the device restarts
     after a few task steps instead of after all of them (64 coroutines doing
     4 KiB reads: 56k -> 70-77k IOPS here; groups of 4 rather than 12 gave
-    another ~5% at the same CPU per read, bench/README.md's thirteenth
-    round: each call is a VM exit on a virtio disk, and the host starts on a
-    group only when it arrives). Requests that finished during such
+    another ~5%, at the same CPU per read on uvloop: bench/README.md's
+    thirteenth round. Each call is a VM exit on a virtio disk, and the host
+    starts on a group only when it arrives). Requests that finished during such
     an early flush wait in ``held`` for the scheduled one to deliver them.
 
     ``hub_transfer`` is File.pread/pwrite's whole path below Python: a
