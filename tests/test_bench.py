@@ -215,15 +215,16 @@ async def test_timer_takes_stalls_from_the_reactors(tmp_path):
         await h.pread(buf, f, 0)
         await asyncio.sleep(0)  # resumed by the loop, no longer inside the wakeup
         with B.Timer(stalls="reactor") as t:
-            time.sleep(0.1)  # not in a reactor's callback
+            time.sleep(0.3)  # not in a reactor's callback: not counted
             await f.pread(buf, 4096)
-        assert t.max_stall < 0.05  # a read's own callback: well under 1 ms, a few ms on a busy VM
+        # a read's own callback: well under 1 ms, tens of ms when the host takes the VM's CPU
+        assert t.max_stall < 0.15
         for blocked in ("file", "handle"):
             with B.Timer(stalls="reactor") as t:
                 await (f.pread(buf, 8192) if blocked == "file" else h.pread(buf, f, 8192))
-                time.sleep(0.1)  # the wakeup runs this task inside the callback
+                time.sleep(0.3)  # the wakeup runs this task inside the callback
                 await asyncio.sleep(0)
-            assert t.max_stall >= 0.1, blocked
+            assert t.max_stall >= 0.3, blocked
             assert t.result("x", 4096, 1).max_stall_s == t.max_stall
     with pytest.raises(ValueError, match="stalls"):
         B.Timer(stalls="monitor")

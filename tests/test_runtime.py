@@ -32,7 +32,7 @@ async def test_gather_of_10000_small_reads(make_file):
 
 async def test_longest_callback_counts_the_tasks_a_wakeup_runs(make_file):
     # A task woken by its read's completion runs inside the reactor's
-    # callback: a task that then blocks for 100 ms holds the loop that long,
+    # callback: a task that then blocks for 300 ms holds the loop that long,
     # and stats() says so once the callback returns.
     path, data = make_file(1 << 20)
     async with nvme.open(path) as f:
@@ -44,15 +44,17 @@ async def test_longest_callback_counts_the_tasks_a_wakeup_runs(make_file):
         for i in range(20):  # reads that do not block: under 1 ms, a few ms on a busy VM
             await f.pread(b, i * 4096)
         quick = nvme.stats()["longest_callback_s"]
-        assert 0.0 < quick < 0.05
+        # the bound leaves room for the host: it took this VM's CPU for up to 36 ms
+        # in one callback (bench/README.md, thirteenth round)
+        assert 0.0 < quick < 0.15
 
         async def reads_then_blocks() -> None:
             await f.pread(b, 4096)
-            time.sleep(0.1)  # blocks the loop, inside the wakeup
+            time.sleep(0.3)  # blocks the loop, inside the wakeup
 
         await asyncio.gather(reads_then_blocks(), asyncio.sleep(0.01))
-        assert nvme.stats()["longest_callback_s"] >= 0.1
-        assert _reactor.longest_callback(loop, reset=True) >= 0.1
+        assert nvme.stats()["longest_callback_s"] >= 0.3
+        assert _reactor.longest_callback(loop, reset=True) >= 0.3
         assert nvme.stats()["longest_callback_s"] == 0.0
     assert np.array_equal(b, data[4096:8192])
 
