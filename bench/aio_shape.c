@@ -15,9 +15,10 @@
  *                replacement (a core burnt for the lowest refill latency)
  *   gather       the loop's wakeup; each completion's replacement is queued after
  *                SPIN_NS of busy work (a task's step: what Python spends per read)
- *                and every 12 queued go in at once (calls of 8, 4): the shape of
- *                64 coroutines awaiting aionvme reads (submit_batch 12, ramp 8;
- *                GATHER_BATCH=N in the environment queues N instead of 12;
+ *                and every 4 queued go in at once, in one call: the shape of 64
+ *                coroutines awaiting aionvme reads (submit_batch 4, ramp 8;
+ *                GATHER_BATCH=N in the environment queues N instead of 4, 12 being
+ *                submit_batch before the thirteenth round of bench/README.md;
  *                GATHER_FIRST=F makes each wakeup's first group F, doubling up to N)
  *
  * RAMP=R (default 8, aionvme's submit_ramp) is the first call's count of iocbs in
@@ -147,7 +148,7 @@ int main(int argc, char **argv) {
     /* RAMP=R: the first call of a group has R iocbs, doubling (8, aionvme's submit_ramp) */
     int ramp = getenv("RAMP") ? atoi(getenv("RAMP")) : 8;
     ramp_fixed = getenv("RAMP_FIXED") && atoi(getenv("RAMP_FIXED"));
-    int gather_batch = getenv("GATHER_BATCH") ? atoi(getenv("GATHER_BATCH")) : 12;
+    int gather_batch = getenv("GATHER_BATCH") ? atoi(getenv("GATHER_BATCH")) : 4;
     if (gather_batch < 1) gather_batch = 1;
     /* GATHER_FIRST=F: each wakeup's first group is F, doubling up to the batch */
     int gather_first = getenv("GATHER_FIRST") ? atoi(getenv("GATHER_FIRST")) : gather_batch;
