@@ -6,23 +6,24 @@
  *   fio          io_getevents(min 1) blocks; one io_submit per replacement
  *                (fio's libaio default: iodepth_batch_submit=1, complete_min=1)
  *   fio-group    io_getevents(min 1) blocks; the replacements of one reap go in
- *                calls of 8, 16, ... (aionvme's ramp)
+ *                calls of 4, 8, 16, ... (aionvme's ramp)
  *   loop         epoll_wait on an eventfd the iocbs signal, the eventfd read, the
  *                completions reaped from the mmapped ring, the replacements in
- *                calls of 8, 16, ...: what aionvme's reactor does per wakeup
+ *                calls of 4, 8, 16, ...: what aionvme's reactor does per wakeup
  *   loop-single  the same wakeup, one io_submit per replacement
  *   spin         the mmapped ring polled without sleeping, one io_submit per
  *                replacement (a core burnt for the lowest refill latency)
  *   gather       the loop's wakeup; each completion's replacement is queued after
  *                SPIN_NS of busy work (a task's step: what Python spends per read)
  *                and every 4 queued go in at once, in one call: the shape of 64
- *                coroutines awaiting aionvme reads (submit_batch 4, ramp 8;
+ *                coroutines awaiting aionvme reads (submit_batch 4, ramp 4;
  *                GATHER_BATCH=N in the environment queues N instead of 4, 12 being
  *                submit_batch before the thirteenth round of bench/README.md;
  *                GATHER_FIRST=F makes each wakeup's first group F, doubling up to N)
  *
- * RAMP=R (default 8, aionvme's submit_ramp) is the first call's count of iocbs in
- * the grouped shapes, doubling in each next call; RAMP_FIXED=1 keeps every call at R.
+ * RAMP=R (default 4, aionvme's submit_ramp; 8 before the fourteenth round of
+ * bench/README.md) is the first call's count of iocbs in the grouped shapes,
+ * doubling in each next call; RAMP_FIXED=1 keeps every call at R.
  *
  * SPIN_NS (the 6th argument, default 0) is busy work per completion before its
  * replacement is queued, in every mode: what the host spends per read beyond the
@@ -145,8 +146,8 @@ int main(int argc, char **argv) {
     const char *dev = argc > 5 ? argv[5] : "vda";
     long spin_ns = argc > 6 ? atol(argv[6]) : 0;
     int gather = !strcmp(mode, "gather");
-    /* RAMP=R: the first call of a group has R iocbs, doubling (8, aionvme's submit_ramp) */
-    int ramp = getenv("RAMP") ? atoi(getenv("RAMP")) : 8;
+    /* RAMP=R: the first call of a group has R iocbs, doubling (4, aionvme's submit_ramp) */
+    int ramp = getenv("RAMP") ? atoi(getenv("RAMP")) : 4;
     ramp_fixed = getenv("RAMP_FIXED") && atoi(getenv("RAMP_FIXED"));
     int gather_batch = getenv("GATHER_BATCH") ? atoi(getenv("GATHER_BATCH")) : 4;
     if (gather_batch < 1) gather_batch = 1;

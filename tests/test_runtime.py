@@ -127,7 +127,7 @@ def test_one_io_submit_per_tick_for_a_burst(make_file):
     # by default every submit_batch (4) requests of the iteration go at once:
     # batched, and sooner than at the iteration's end
     per_call = nvme.defaults.get("submit_batch")
-    assert nvme.defaults.get("submit_ramp") == 8
+    assert nvme.defaults.get("submit_ramp") == 4
     assert asyncio.run(_burst_submit_calls(path, 100)) <= 2 * -(-100 // per_call)
 
 
@@ -159,8 +159,8 @@ async def test_many_requests_beyond_queue_depth_are_all_served(make_file):
     for b, o in zip(bufs, offs):
         assert np.array_equal(b, data[o : o + 1000])
     s = nvme.stats()
-    # batched, not one syscall per request
-    assert s["submit_calls"] <= 3000 // 6
+    # batched, not one syscall per request (8.9k chunks here went in ~450 calls)
+    assert s["submit_calls"] <= 3000 // 4
 
 
 async def test_large_request_is_split_into_parallel_chunks(make_file):
@@ -171,7 +171,7 @@ async def test_large_request_is_split_into_parallel_chunks(make_file):
     after = nvme.stats()
     assert after["submitted"] - before["submitted"] == 16
     # batched, not one call per chunk: the submit budget lets at most 8 MiB
-    # go per loop iteration, each batch of 8 ramped into calls of 2, 4, 2
+    # go per loop iteration, each batch of 8 ramped into calls of 4, 4
     assert after["submit_calls"] - before["submit_calls"] <= 6
     assert np.array_equal(buf, data)
 
@@ -448,7 +448,7 @@ async def test_single_submit_mode_issues_one_io_submit_per_chunk(make_file):
         assert np.array_equal(buf, data)
         before = r.engine.stats()["submit_calls"]
         await r.submit(r.engine.read(f._handle(), buf, 0, 1 << 20, 0, 0))
-        assert r.engine.stats()["submit_calls"] - before == 1  # batched: the ramp's first call takes 8
+        assert r.engine.stats()["submit_calls"] - before == 2  # batched: the ramp's calls of 4, 4
 
 
 async def test_no_overlap_mode_waits_for_each_window(make_file):

@@ -157,7 +157,7 @@ cdef class Engine:
 
     def __cinit__(self, int queue_depth=128, int threads=8, bint use_aio=True, bint ring_reap=True,
                   long long submit_budget=8 << 20, long long max_inflight_bytes=64 << 20,
-                  long long inline_submit_max=512 << 10, int aio_nr=0, int submit_ramp=8,
+                  long long inline_submit_max=512 << 10, int aio_nr=0, int submit_ramp=4,
                   int uring=0):
         cdef int32_t i
         cdef long rc

@@ -20,12 +20,14 @@ cdef int32_t _aio_submit(Submitter *s, iocb **cbs, int32_t n, bint wait_for_room
     cdef timespec pause
     # The block layer holds back every request of one io_submit until the
     # call returns (plugging), so the device idles while the kernel prepares
-    # a whole batch. A ramp (8, 16, 32, ... iocbs per call) starts the device
+    # a whole batch. A ramp (4, 8, 16, ... iocbs per call) starts the device
     # after the first few and costs log2(n) calls: 4 KiB random reads at
     # QD 64 here, 72-77k IOPS in one call, 80-84k with the ramp from 2. It
-    # starts at 8 (defaults.submit_ramp): a loop's flushes of a dozen reads
-    # then take 2 calls, not 3 (2 + 4 + 6), which cut the kernel's CPU per
-    # gather read by ~1.9 us here, and batches of 64 start as early.
+    # starts at 4 (defaults.submit_ramp), the size of a loop's flushes
+    # (submit_batch): each is one call, and a refill of 64 starts after 4,
+    # not 8 (1.03x the IOPS in C, bench/aio_shape.c over 20 alternated
+    # rounds; ~1.01x, within the noise, in the Python workloads). A ramp
+    # from 2 would split every flush of 4 in two calls.
     cdef int32_t cap = s.ramp if s.ramp > 0 else n
     while i < n:
         # One call for the run up to the next request that asked for one

@@ -8,7 +8,7 @@
 
 Every transfer is an awaitable backed by kernel AIO with O_DIRECT (or a C
 worker pool where AIO or O_DIRECT is not available): the requests of a loop
-iteration are submitted together (in io_submit calls of 8, 16, 32, ... so the
+iteration are submitted together (in io_submit calls of 4, 8, 16, ... so the
 device starts early), each split into chunks in flight in parallel.
 """
 

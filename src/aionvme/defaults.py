@@ -259,7 +259,7 @@ class Settings:
     submit_budget: int = 8 << 20
     inflight_bytes: int = 64 << 20
     submit_batch: int = 4
-    submit_ramp: int = 8
+    submit_ramp: int = 4
     single_submit: bool = False
     overlap_events: bool = True
     gpu_path: str = "auto"

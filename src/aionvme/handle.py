@@ -69,7 +69,7 @@ class Handle:
     single_submit : bool, optional
         Submit each chunk with its own ``io_submit`` call instead of one call
         per batch (DeepNVMe's ``single_submit``). Default False: a batch goes
-        in calls of 8, 16, 32, ... chunks (``defaults.submit_ramp``; 0 there
+        in calls of 4, 8, 16, ... chunks (``defaults.submit_ramp``; 0 there
         for exactly one call per batch).
     overlap_events : bool, optional
         True: a sliding window, a new chunk is submitted as soon as one
