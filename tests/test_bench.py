@@ -432,3 +432,26 @@ def test_aio_shape_runs_each_shape_and_reports_its_longest_step(tmp_path, mode):
     longest, cpu = float(step.group(1)), float(step.group(2))
     # 2000 reads with 100 ns of work each: some step took time, and its CPU is within it
     assert longest > 0 and cpu <= longest + 0.05, r.stdout
+
+
+@pytest.mark.skipif(shutil.which("fio") is None, reason="needs fio")
+def test_seqwrite_alternated_pairs_each_round_and_reports_the_ratios(tmp_path):
+    # bench/seqwrite_alternated.py gives bench/README.md its write ratios: every round
+    # must hold every writer, and the summary the ratios paired within rounds.
+    root = Path(__file__).resolve().parent.parent
+    argv = [sys.executable, str(root / "bench" / "seqwrite_alternated.py")]
+    argv += ["--size", "8M", "--rounds", "2", "--pause", "0", "--dir", str(tmp_path), "--seed", "1"]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=root)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    rounds = re.findall(r"^round \d+: (.*)$", r.stdout, re.M)
+    assert len(rounds) == 2, r.stdout
+    have_ds = "DeepSpeed is left out" not in r.stdout
+    for line in rounds:
+        rates = dict(re.findall(r"(aionvme|fio libaio bs=8M qd=16|deepspeed [^;]+?) ([\d,]+) MB/s", line))
+        assert "aionvme" in rates and "fio libaio bs=8M qd=16" in rates, line
+        assert sum(k.startswith("deepspeed") for k in rates) == (3 if have_ds else 0), line
+        assert all(float(v.replace(",", "")) > 0 for v in rates.values()), line
+    assert re.search(r"aionvme / fio libaio bs=8M qd=16: [\d.]+x \(95% ", r.stdout), r.stdout
+    if have_ds:
+        assert re.search(r"aionvme / DeepSpeed's best configuration \(deepspeed bs=", r.stdout), r.stdout
+    assert os.listdir(tmp_path) == []  # its temp dir and file are gone
