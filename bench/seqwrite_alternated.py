@@ -10,7 +10,7 @@ in a random order, each after an ``os.sync()`` and a pause of ``--pause`` second
 writes faster after a pause, and a writer right after another pays for its write-back):
 aionvme's ``seqwrite`` workload (uvloop, in its own process, as a user would run it);
 DeepSpeed's ``aio_handle`` with a page-locked buffer at each point of the quick grid
-(``peers.DS_GRIDS["quick"]``, one child process, every point writing the whole file); and
+(``peers.DS_GRIDS["quick"]``, each point a writer of its own, in its own process); and
 fio libaio at ``--fio-point`` (the best point of compare.py's sweep here: bs 64M QD 16).
 
 Printed: per round, MB/s of each writer; then aionvme's ratio, paired within rounds
@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 from aionvme.bench import peers
 from aionvme.bench.peers import fio, fio_unavailable
@@ -89,19 +90,24 @@ def main(argv: list[str] | None = None) -> int:
         ).stdout
         return {"aionvme": json.loads(out.strip().splitlines()[-1])["mb_s"]}
 
-    def deepspeed() -> dict[str, float]:
-        got = peers.deepspeed_sweep(path, "write", peers.DS_GRIDS["quick"], ("locked",), size=size)
-        return {
-            f"deepspeed {peers.point_label(r)}": r.nbytes / r.wall_s / 1e6
-            for r in got
-            if r.skipped is None and r.verified
-        }
+    def deepspeed(point: peers.DSPoint) -> Callable[[], dict[str, float]]:
+        def one() -> dict[str, float]:
+            got = peers.deepspeed_sweep(path, "write", [point], ("locked",), size=size)
+            return {
+                f"deepspeed {peers.point_label(r)}": r.nbytes / r.wall_s / 1e6
+                for r in got
+                if r.skipped is None and r.verified
+            }
+
+        return one
 
     def fio_point() -> dict[str, float]:
         r = fio(path, "write", bs, int(qd), "libaio", size, end_fsync=1)
         return {f"fio libaio bs={bs} qd={qd}": r.nbytes / r.wall_s / 1e6}
 
-    writers = [ours] + ([deepspeed] if not why_ds else []) + ([fio_point] if not why_fio else [])
+    # each DeepSpeed point on its own, after its own sync and pause, like every other writer
+    writers = [ours] + ([deepspeed(p) for p in peers.DS_GRIDS["quick"]] if not why_ds else [])
+    writers += [fio_point] if not why_fio else []
     try:
         for i in range(a.rounds):
             row: dict[str, float] = {}
