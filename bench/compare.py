@@ -218,11 +218,21 @@ def deepspeed_rows(args: argparse.Namespace, res: Rep, points: list[B.Result], o
         got = peers.deepspeed_sweep(path, "read", peers.DS_GRIDS[args.ds_grid], build=args.ds_build)
     else:
         grid = peers.DS_GRIDS["quick" if args.ds_grid == "quick" else "write"]
-        got = peers.deepspeed_sweep(path, "write", grid, ("locked",), size=args.size, build=args.ds_build)
+        # Every point writes the whole file, each after its own sync and pause, as every other
+        # writer here: run back to back, a point would start on the last one's write-back.
+        got = []
+        for point in grid:
+            os.sync()
+            time.sleep(WRITE_PAUSE)
+            got += peers.deepspeed_sweep(
+                path, "write", [point], ("locked",), size=args.size, build=args.ds_build
+            )
         top = peers.best(got, "locked")
-        if top is not None:  # plain tensors at locked's best point: each point writes the whole file
+        if top is not None:  # plain tensors at locked's best point
             p = top.params
             point = (p["block_size"], p["queue_depth"], p["intra_op_parallelism"])
+            os.sync()
+            time.sleep(WRITE_PAUSE)
             got += peers.deepspeed_sweep(path, "write", [point], ("plain",), size=args.size)
     points.extend(got)
     if got and got[0].skipped:
