@@ -205,6 +205,12 @@ def _fresh(buffered: bool) -> None:
         B.drop_caches()
 
 
+def _settle() -> None:
+    """Write back what earlier writers left dirty, then WRITE_PAUSE of quiet: before each writer."""
+    os.sync()
+    time.sleep(WRITE_PAUSE)
+
+
 def _ours(r: B.Result) -> B.Result:
     if not r.verified:
         raise RuntimeError(f"aionvme {r.label}: data mismatch")
@@ -219,11 +225,12 @@ def deepspeed_rows(args: argparse.Namespace, res: Rep, points: list[B.Result], o
     else:
         grid = peers.DS_GRIDS["quick" if args.ds_grid == "quick" else "write"]
         # Every point writes the whole file, each after its own sync and pause, as every other
-        # writer here: run back to back, a point would start on the last one's write-back.
+        # writer here (the caller settles the disk before the first): run back to back, a point
+        # would start on the last one's write-back.
         got = []
-        for point in grid:
-            os.sync()
-            time.sleep(WRITE_PAUSE)
+        for i, point in enumerate(grid):
+            if i:
+                _settle()
             got += peers.deepspeed_sweep(
                 path, "write", [point], ("locked",), size=args.size, build=args.ds_build
             )
@@ -231,8 +238,7 @@ def deepspeed_rows(args: argparse.Namespace, res: Rep, points: list[B.Result], o
         if top is not None:  # plain tensors at locked's best point
             p = top.params
             point = (p["block_size"], p["queue_depth"], p["intra_op_parallelism"])
-            os.sync()
-            time.sleep(WRITE_PAUSE)
+            _settle()
             got += peers.deepspeed_sweep(path, "write", [point], ("plain",), size=args.size)
     points.extend(got)
     if got and got[0].skipped:
@@ -317,8 +323,7 @@ def one_repetition(args: argparse.Namespace, d: str, points: list[B.Result], rep
     if args.deepspeed:
         steps.append(lambda: deepspeed_rows(args, res, points, "write", os.path.join(d, "ds-write.bin")))
     for step in steps if rep % 2 == 0 else steps[::-1]:
-        os.sync()
-        time.sleep(WRITE_PAUSE)
+        _settle()
         step()
 
     # 4 KiB random reads -----------------------------------------------------------------------
