@@ -93,11 +93,15 @@ def main(argv: list[str] | None = None) -> int:
     def deepspeed(point: peers.DSPoint) -> Callable[[], dict[str, float]]:
         def one() -> dict[str, float]:
             got = peers.deepspeed_sweep(path, "write", [point], ("locked",), size=size)
-            return {
-                f"deepspeed {peers.point_label(r)}": r.nbytes / r.wall_s / 1e6
-                for r in got
-                if r.skipped is None and r.verified
-            }
+            row = {}
+            for r in got:
+                if r.skipped is not None or not r.verified:
+                    # said, not dropped: a round without this point is left out of its ratios
+                    why = r.skipped or "the file it wrote did not hold its pattern"
+                    print(f"deepspeed bs={point[0] >> 20}M qd={point[1]} iop={point[2]}: {why}", flush=True)
+                    continue
+                row[f"deepspeed {peers.point_label(r)}"] = r.nbytes / r.wall_s / 1e6
+            return row
 
         return one
 
