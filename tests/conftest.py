@@ -112,8 +112,8 @@ def _leaks(files_before: dict[int, str]) -> list[str]:
     if seen == c["engines"] and c["bounce_buffers"] > live_bounce:
         # every live engine is in view (a Handle's pooled ones are not)
         out.append(f"bounce buffers outlived their engines: {c}")
-    if c["engine_fds"] > c["engines"]:
-        out.append(f"eventfds outlived their engines: {c}")
+    if c["engine_fds"] > c["engines"] + c["refill_threads"] or c["refill_threads"] > c["engines"]:
+        out.append(f"eventfds or refill threads outlived their engines: {c}")
     if c["debug"] and c["checks_failed"] != 0:
         out.append(f"the debug engine's invariant checks failed: {c}")
     leaked = {fd: t for fd, t in _open_files().items() if files_before.get(fd) != t}
@@ -130,23 +130,25 @@ def _uring_error() -> str | None:
         probe.close()
 
 
-@pytest.fixture(params=["aio", "uring", "thread"])
+@pytest.fixture(params=["aio", "uring", "thread", "aio+refill"])
 def engine(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Run the test on the kernel-AIO engine, the io_uring engine and the
-    worker-thread engine.
+    """Run the test on the kernel-AIO engine with and without its refill
+    thread (``aio+refill`` and ``aio``: ``defaults.refill_thread``; the test
+    sees "aio" in both), the io_uring engine and the worker-thread engine.
 
     Loops made for the test get a reactor with this engine; blocking calls in
     the test's thread get a fresh engine of this kind, closed afterwards."""
-    if request.param == "aio" and _engine.aio_probe() is not None:
+    name, _, extra = request.param.partition("+")
+    if name == "aio" and _engine.aio_probe() is not None:
         pytest.skip(f"kernel AIO is unavailable here: {_engine.aio_probe()}")
-    if request.param == "uring" and (why := _uring_error()) is not None:
+    if name == "uring" and (why := _uring_error()) is not None:
         pytest.skip(f"io_uring is unavailable here: {why}")
     tls = _blocking_state()
     saved = getattr(tls, "pair", None)
     tls.pair = None
     try:
-        with aionvme.defaults.set(engine=request.param):
-            yield request.param
+        with aionvme.defaults.set(engine=name, refill_thread=extra == "refill"):
+            yield name
     finally:
         pair = getattr(tls, "pair", None)
         if pair is not None:

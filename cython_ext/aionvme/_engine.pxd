@@ -291,7 +291,22 @@ cdef class Engine:
     cdef readonly long long n_live_requests
     cdef readonly long long n_bounce_buffers
     cdef readonly long long n_ring_reaps
+    # The refill thread (refill_thread=True, see "The refill thread" in engine.pxi)
+    cdef readonly bint refill_thread    # a C thread reaps and refills while requests wait for slots
+    cdef pthread_mutex_t mu             # the engine's state, between that thread and the owner's
+    cdef pthread_t rt
+    cdef int rt_stop
+    cdef readonly int tfd               # the thread's eventfd: completions of iocbs it is to refill after
+    cdef bint rt_notified               # the thread wrote efd, the owner has not pumped since (under mu)
+    cdef int64_t owner_wants            # owner-side callers waiting for mu (atomic): the thread lets them in
+    cdef readonly long long n_refill_wakeups
+    cdef readonly long long n_owner_wakeups
 
+    cdef void _lock(self) noexcept nogil
+    cdef void _lock_held(self) noexcept
+    cdef void _unlock(self) noexcept nogil
+    cdef void _pump_c(self, bint reap) noexcept nogil
+    cdef void _stop_refill(self) noexcept
     cdef int _enqueue(self, Request req) except -1
     cdef int _setup_uring(self, int submit_ramp, bint direct) except -1
     cdef void _finish(self, ReqC *r) noexcept nogil
@@ -305,5 +320,6 @@ cdef class Engine:
     cdef void _generate(self) noexcept nogil
     cdef void _submit(self) noexcept nogil
     cdef void _reap(self) noexcept nogil
+    cdef void _reap_events(self) noexcept nogil
     cdef void _adapt(self) noexcept nogil
     cdef list _collect(self)

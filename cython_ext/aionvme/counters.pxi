@@ -16,6 +16,7 @@ cdef extern from *:
 
 cdef int64_t _live_engines = 0          # Engines not yet torn down
 cdef int64_t _engine_fds = 0            # eventfds owned by engines
+cdef int64_t _live_refill = 0           # engines with a refill thread not yet torn down (each owns a second eventfd)
 cdef int64_t _live_aligned = 0          # AlignedBuffers mapped
 cdef int64_t _live_aligned_bytes = 0
 cdef int64_t _live_bounce = 0           # engine bounce buffers allocated (kept per chunk slot)
@@ -33,12 +34,14 @@ cdef inline void _dbg_check(bint ok) noexcept nogil:
 def counters():
     """Process-wide counters for leak checks (tests assert they come back).
 
-    Keys: debug (a debug build), engines, engine_fds, open_handles (FileHandles
+    Keys: debug (a debug build), engines, engine_fds, refill_threads (engines with a refill
+    thread, each holding a second eventfd), open_handles (FileHandles
     holding an fd), aligned_buffers, aligned_bytes, bounce_buffers,
     bounce_bytes; in a debug build also chunks_in_flight, chunks_completed and
     checks_failed (hot-path invariant checks that failed: must stay 0)."""
     out = dict(debug=bool(AIONVME_DEBUG), engines=aionvme_atomic_load(&_live_engines),
-               engine_fds=aionvme_atomic_load(&_engine_fds), open_handles=_open_handles,
+               engine_fds=aionvme_atomic_load(&_engine_fds), refill_threads=aionvme_atomic_load(&_live_refill),
+               open_handles=_open_handles,
                aligned_buffers=aionvme_atomic_load(&_live_aligned),
                aligned_bytes=aionvme_atomic_load(&_live_aligned_bytes),
                bounce_buffers=aionvme_atomic_load(&_live_bounce),

@@ -210,6 +210,10 @@ class Engine:
     n_ring_reaps: int
     submit_budget: int
     more: bool
+    refill_thread: bool
+    tfd: int
+    n_refill_wakeups: int
+    n_owner_wakeups: int
     def __new__(
         cls,
         queue_depth: int = ...,
@@ -222,6 +226,7 @@ class Engine:
         aio_nr: int = ...,
         submit_ramp: int = ...,
         uring: int = ...,
+        refill_thread: bool = ...,
     ) -> Engine: ...
     @property
     def backend(self) -> str: ...

@@ -42,6 +42,11 @@ submit_ramp    AIONVME_SUBMIT_RAMP     iocbs in the first io_submit of a
                                        its io_submit returns); 0 = one call
 single_submit  AIONVME_SINGLE_SUBMIT   one io_submit per chunk instead of one
                                        per batch (used by :class:`Handle`)
+refill_thread  AIONVME_REFILL_THREAD   while requests wait for chunk slots, a
+                                       C thread of each kernel-AIO engine reaps
+                                       their completions and refills the device
+                                       without the event loop or the GIL; the
+                                       loop wakes when requests finish (1)
 overlap_events AIONVME_OVERLAP_EVENTS  refill the window as chunks complete;
                                        0 = batch-and-wait (used by Handle)
 gpu_path       AIONVME_GPU_PATH        CUDA tensors: ``auto`` (cuFile where it
@@ -63,7 +68,8 @@ write_copy     AIONVME_WRITE_COPY      O_DIRECT writes of items of 4 MiB and
                                        from the caller's memory)
 ============== ======================= ========================================
 
-Engine-shaping settings (queue_depth, threads, engine, ring_reap, submit_ramp) apply to
+Engine-shaping settings (queue_depth, threads, engine, ring_reap, submit_ramp,
+refill_thread) apply to
 engines created afterwards; the others apply to every call. A config file
 written by ``aionvme tune`` (or a DeepSpeed ``"aio"`` section) is applied with
 :func:`load_config`, read without applying with :func:`read_config`.
@@ -102,7 +108,7 @@ _WRITE_COPY = ("auto", "always", "never")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZES = frozenset({"block_size", "submit_budget", "inflight_bytes", "gpu_block_size", "pinned_pool"})
 _INTS = frozenset({"queue_depth", "threads", "max_inflight", "submit_batch", "submit_ramp"})
-_BOOLS = frozenset({"direct", "ring_reap", "single_submit", "overlap_events"})
+_BOOLS = frozenset({"direct", "ring_reap", "single_submit", "overlap_events", "refill_thread"})
 _CHOICES = {"engine": _ENGINES, "gpu_path": _GPU_PATHS, "write_copy": _WRITE_COPY}
 _BLOCK = 4096  # chunks are whole 4 KiB blocks: aligned for O_DIRECT on every device we know
 # (lowest, highest) of each integer setting; None: unbounded.
@@ -262,6 +268,7 @@ class Settings:
     submit_ramp: int = 4
     single_submit: bool = False
     overlap_events: bool = True
+    refill_thread: bool = True
     gpu_path: str = "auto"
     gpu_block_size: int = 4 << 20
     pinned_pool: int = 64 << 20

@@ -87,7 +87,15 @@ def engine_choice(aio_available: bool, uring_available: bool | None = None) -> d
         else ""
     )
     if aio_available:
-        return {"engine": "aio", "reason": "kernel AIO works (io_setup succeeded) and serves O_DIRECT" + ring}
+        refill = (
+            "; a C thread per engine refills the device while requests wait for slots (refill_thread)"
+            if defaults.settings.refill_thread
+            else "; the event loop does every refill (refill_thread off)"
+        )
+        return {
+            "engine": "aio",
+            "reason": "kernel AIO works (io_setup succeeded) and serves O_DIRECT" + ring + refill,
+        }
     if want == "aio":
         return {
             "engine": "none",

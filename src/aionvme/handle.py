@@ -135,12 +135,13 @@ class Handle:
         self._settings = s
         self._mode = transfer.mode_bits(s.single_submit, s.overlap_events)
         # The loop's shared engine can serve us only if it has our shape.
-        may_share = (s.queue_depth, s.threads, s.engine, s.ring_reap, s.submit_ramp) == (
+        may_share = (s.queue_depth, s.threads, s.engine, s.ring_reap, s.submit_ramp, s.refill_thread) == (
             base.queue_depth,
             base.threads,
             base.engine,
             base.ring_reap,
             base.submit_ramp,
+            base.refill_thread,
         )
         self._engines = HandleEngines(s, may_share)
 

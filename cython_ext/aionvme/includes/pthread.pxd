@@ -19,6 +19,7 @@ cdef extern from "<pthread.h>" nogil:
     int pthread_mutex_init(pthread_mutex_t *mutex, const pthread_mutexattr_t *attr)
     int pthread_mutex_destroy(pthread_mutex_t *mutex)
     int pthread_mutex_lock(pthread_mutex_t *mutex)
+    int pthread_mutex_trylock(pthread_mutex_t *mutex)
     int pthread_mutex_unlock(pthread_mutex_t *mutex)
     int pthread_cond_init(pthread_cond_t *cond, const pthread_condattr_t *attr)
     int pthread_cond_destroy(pthread_cond_t *cond)
@@ -27,6 +28,10 @@ cdef extern from "<pthread.h>" nogil:
     int pthread_cond_broadcast(pthread_cond_t *cond)
     int pthread_atfork(void (*prepare)() noexcept nogil, void (*parent)() noexcept nogil,
                        void (*child)() noexcept nogil)
+
+
+cdef extern from "<sched.h>" nogil:
+    int sched_yield()
 
 
 cdef extern from "<signal.h>" nogil:

@@ -86,6 +86,7 @@ def new_engine(settings: defaults.Settings | None = None) -> Engine:
         s.inflight_bytes,
         submit_ramp=s.submit_ramp,
         uring=_URING_MODE.get(s.engine, 0),
+        refill_thread=s.refill_thread,
     )
     if s.engine == "uring" and not eng.uring_direct:
         err = eng.uring_error or OSError("io_uring is unavailable")
