@@ -31,25 +31,38 @@ async def test_cancellation_storm(make_file, tmp_dir):
     checks: list[tuple[str, int, np.ndarray, bytes]] = []  # (kind, index, buffer, snapshot)
     wfd = os.open(wpath, os.O_RDONLY)
 
-    async def one(i: int) -> None:
+    # Every transfer's size, deadline and buffer is made before the storm, and
+    # its chunks go one at a time: the loop then only submits, cancels and
+    # checks, and deadlines (up to 50 ms) land while transfers are in flight.
+    # The engine's refill thread moves a transfer on while the loop is busy:
+    # with the buffers made inside the storm, a loop stalled in allocations let
+    # nearly every transfer finish before its deadline.
+    plans = []
+    for i in range(N):
         size = rnd.choice([4096, 65536, 1 * MiB, MiB // 4 - 4096 + 17])
         block = rnd.choice(["4K", "16K", "64K"])
-        delay = rnd.random() * 0.25
+        delay = rnd.random() * 0.05
         # every fifth is never cancelled, so completions mix with the storm even
         # when a loaded machine lets every other transfer run past its deadline
         how = "none" if i % 5 == 4 else rnd.choice(["cancel", "timeout"])
-        await asyncio.sleep(rnd.random() * 0.05)  # staggered starts
+        start = rnd.random() * 0.05  # staggered starts
         if i % 2 == 0:  # a read into its own buffer
             buf = nvme.empty(size) if i % 4 == 0 else np.zeros(size, np.uint8)  # aligned or not
             buf[:] = 0xEE
             off = rnd.randrange(0, 64 * MiB - size)
-            coro_fut = nvme.pread(buf, rpath, off, block_size=block, parallelism=2)
         else:  # a write into its own range of the write file
-            buf = np.full(size, i % 250 + 1, np.uint8)
             off = (i // 2) * (MiB // 4) + rnd.randrange(0, 4096)
             size = min(size, (i // 2 + 1) * (MiB // 4) - off)
-            buf = buf[:size]
-            coro_fut = nvme.pwrite(buf, wpath, off, block_size=block, parallelism=2)
+            buf = np.full(size, i % 250 + 1, np.uint8)
+        plans.append((size, block, delay, how, start, buf, off))
+
+    async def one(i: int) -> None:
+        size, block, delay, how, start, buf, off = plans[i]
+        await asyncio.sleep(start)
+        if i % 2 == 0:
+            coro_fut = nvme.pread(buf, rpath, off, block_size=block, parallelism=1)
+        else:
+            coro_fut = nvme.pwrite(buf, wpath, off, block_size=block, parallelism=1)
         try:
             if how == "none":
                 n = await coro_fut
