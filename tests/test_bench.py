@@ -456,3 +456,25 @@ def test_seqwrite_alternated_pairs_each_round_and_reports_the_ratios(tmp_path):
     if have_ds:
         assert re.search(r"aionvme / DeepSpeed's best configuration \(deepspeed bs=", r.stdout), r.stdout
     assert os.listdir(tmp_path) == []  # its temp dir and file are gone
+
+
+def test_refill_thread_bench_runs_each_workload_both_ways(tmp_path):
+    # bench/refill_thread.py gives bench/README.md the refill thread's ratios:
+    # every workload must run with and without the thread in every round.
+    root = Path(__file__).resolve().parent.parent
+    argv = [sys.executable, str(root / "bench" / "refill_thread.py")]
+    argv += ["--size", "16M", "--ops", "3000", "--rounds", "2", "--busy-ms", "0.2", "--work-ms", "0.2"]
+    argv += ["--dir", str(tmp_path)]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=root)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    rounds = re.findall(r"^round \d+ \(with/without\): (.*)$", r.stdout, re.M)
+    assert len(rounds) == 2, r.stdout
+    for line in rounds:
+        got = dict((n, (a, b)) for n, a, b in re.findall(r"([a-z+]+) ([\d,]+)/([\d,]+)", line))
+        assert set(got) == {"gather", "batch", "batch+busy", "loader+gil"}, line
+        assert all(int(a.replace(",", "")) > 0 and int(b.replace(",", "")) > 0 for a, b in got.values()), line
+    for n in ("gather", "batch", "batch+busy", "loader+gil"):
+        assert re.search(rf"^{re.escape(n)} +[\d,]+ +[\d,]+  [\d.]+x \(95% .*2 rounds\)$", r.stdout, re.M), (
+            r.stdout
+        )
+    assert os.listdir(tmp_path) == []
