@@ -128,9 +128,8 @@ async def test_batches_on_a_loop(make_file, mode):
                         await h.pread_rows(bufs[i : i + batch], offs[i : i + batch], f)
 
             await asyncio.gather(*(worker(k) for k in range(4)))
-        engines = [e for e in list(_reactor._engines) if not e.is_closed and e.refill_thread]
-        assert engines, "the handle's engine has no refill thread"
-        s = max((e.stats() for e in engines), key=lambda st: st["completed"])  # the handle's
+            s = h.stats()  # its engine on this loop
+        assert s["engines"] == 1 and s["refill_thread"], s
         assert s["completed"] >= n and s["refill_wakeups"] > 0
         # one owner wakeup per finished batch at most (n / batch of them), and
         # the refills in between happened on the thread
