@@ -1284,5 +1284,6 @@ cdef void _refill_loop(Engine e) noexcept nogil:
 
 
 cdef void *_refill_main(void *arg) noexcept nogil:
+    pthread_setname_np(pthread_self(), "aionvme-refill")   # what top -H and gdb show
     _refill_loop(<Engine>arg)   # a borrowed reference: close() joins this thread first
     return NULL

@@ -16,6 +16,8 @@ cdef extern from "<pthread.h>" nogil:
                        void *(*start_routine)(void *) noexcept nogil, void *arg)
     int pthread_join(pthread_t thread, void **retval)
     int pthread_detach(pthread_t thread)
+    pthread_t pthread_self()
+    int pthread_setname_np(pthread_t thread, const char *name)
     int pthread_mutex_init(pthread_mutex_t *mutex, const pthread_mutexattr_t *attr)
     int pthread_mutex_destroy(pthread_mutex_t *mutex)
     int pthread_mutex_lock(pthread_mutex_t *mutex)
