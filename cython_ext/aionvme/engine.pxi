@@ -295,9 +295,7 @@ cdef class Engine:
         # the refill thread holds the lock (it never waits for the GIL)
         if self.refill_thread and pthread_mutex_trylock(&self.mu) != 0:
             with nogil:
-                aionvme_atomic_add(&self.owner_wants, 1)
-                pthread_mutex_lock(&self.mu)
-                aionvme_atomic_add(&self.owner_wants, -1)
+                self._lock()
 
     cdef void _unlock(self) noexcept nogil:
         if self.refill_thread:
