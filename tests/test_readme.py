@@ -6,18 +6,26 @@ tests (PYTHONPATH included). In ```bash blocks, lines that start with
 ``python3 -m aionvme`` run the same way; ``pip install`` lines are listed as
 skipped (CI runs them when it sets up); other shell lines are skipped with a
 reason. A block right after ``<!-- readme-test: skip REASON -->`` is skipped
-with that reason (for CUDA-only examples). The extractor and runner are
-tested on a small fixture README first.
+with that reason (for CUDA-only examples); one right after
+``<!-- readme-test: needs MODULE [MODULE...] -->`` is skipped, with the reason,
+where one of those modules is not installed (the README's test command does not
+install them: DeepSpeed, say), and runs where they are. A python block that never
+names torch and has no such marker claims to need only numpy: it runs a second time with torch hidden
+(``sys.modules["torch"] = None``: ``import torch`` fails and
+``importlib.util.find_spec("torch")`` is None, as where torch is not installed).
+The extractor and runner are tested on a small fixture README first.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shlex
 import subprocess
 import sys
 import textwrap
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +36,7 @@ TIMEOUT_S = 300
 
 _FENCE = re.compile(r"^ {0,3}(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`]*)$")
 _SKIP = re.compile(r"<!--\s*readme-test:\s*skip\b\s*(?P<reason>.*?)\s*-->")
+_NEEDS = re.compile(r"<!--\s*readme-test:\s*needs\s+(?P<modules>[\w. ]+?)\s*-->")
 _PYTHON = {"python", "py", "python3", "pycon"}
 _SHELL = {"bash", "sh", "shell", "console"}
 PIP_REASON = "installs packages; CI runs these"
@@ -41,6 +50,14 @@ class Case:
     kind: str  # "python" or "shell"
     code: str
     skip: str | None = None
+    needs: tuple[str, ...] = ()  # modules the block needs, beyond the test extra
+    without_torch: bool = False  # run with torch hidden
+
+    @property
+    def numpy_only(self) -> bool:
+        """A python block that never names torch, nor needs a module beyond the test extra
+        (which may need torch itself), claims to need only numpy."""
+        return self.kind == "python" and not self.needs and "torch" not in self.code
 
 
 def _commands(lines: list[str]) -> list[tuple[int, str]]:
@@ -87,9 +104,11 @@ def cases_from(markdown: str, name: str) -> list[Case]:
         body = lines[i + 1 : j]
         marker = _SKIP.search(previous)
         skip = (marker["reason"] or "marked skip in the README") if marker else None
+        needs_marker = _NEEDS.search(previous)
+        needs = tuple(needs_marker["modules"].split()) if needs_marker else ()
         if lang in _PYTHON:
             code = textwrap.dedent("\n".join(body)) + "\n"
-            cases.append(Case(f"{name}:{i + 1}", "python", code, skip))
+            cases.append(Case(f"{name}:{i + 1}", "python", code, skip, needs))
         elif lang in _SHELL:
             for k, cmd in _commands(body):
                 why = skip
@@ -97,7 +116,7 @@ def cases_from(markdown: str, name: str) -> list[Case]:
                     why = PIP_REASON
                 elif why is None and not cmd.startswith("python3 -m aionvme"):
                     why = "a shell line that is not a `python3 -m aionvme` command"
-                cases.append(Case(f"{name}:{i + 2 + k}", "shell", cmd, why))
+                cases.append(Case(f"{name}:{i + 2 + k}", "shell", cmd, why, needs))
         previous = ""
         i = j + 1
     return cases
@@ -112,6 +131,8 @@ def execute(case: Case, tmp_path: Path) -> subprocess.CompletedProcess[str]:
         script = tmp_path / "readme_block.py"  # outside the working directory
         script.write_text(case.code)
         argv = [sys.executable, str(script)]
+        if case.without_torch:
+            argv = [sys.executable, "-c", _WITHOUT_TORCH, str(script)]
     else:
         # the same interpreter as the tests, for "python3"
         cmd = re.sub(r"^python3\b", shlex.quote(sys.executable), case.code)
@@ -119,9 +140,27 @@ def execute(case: Case, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
+# Runs the script named by argv[1] as __main__ where torch cannot be imported, as where it is
+# not installed: a None in sys.modules makes `import torch` raise ModuleNotFoundError and
+# importlib.util.find_spec("torch") return None.
+_WITHOUT_TORCH = """
+import runpy, sys
+sys.modules["torch"] = None
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def missing(modules: tuple[str, ...]) -> list[str]:
+    return [m for m in modules if importlib.util.find_spec(m) is None]
+
+
 def check(case: Case, tmp_path: Path) -> None:
     if case.skip is not None:
         pytest.skip(case.skip)
+    absent = missing(case.needs)
+    if absent:
+        pytest.skip(f"needs {', '.join(absent)}, which the README's test command does not install")
     r = execute(case, tmp_path)
     if r.returncode != 0:
         pytest.fail(
@@ -213,9 +252,42 @@ def _readme_params() -> list[object]:
         if c.kind == "shell":
             marks.append(pytest.mark.slow)  # aionvme bench/demo take minutes at their default sizes
         params.append(pytest.param(c, id=f"{c.where}-{c.kind}", marks=marks))
+        if c.numpy_only:
+            bare = dataclasses.replace(c, without_torch=True)
+            params.append(pytest.param(bare, id=f"{c.where}-{c.kind}-without-torch", marks=marks))
     return params
 
 
 @pytest.mark.parametrize("case", _readme_params())
 def test_readme_block_runs_as_written(case, tmp_path):
     check(case, tmp_path)
+
+
+def test_a_needs_marker_skips_only_where_the_module_is_missing(tmp_path):
+    md = (
+        "<!-- readme-test: needs no_such_module_aionvme -->\n```python\nraise SystemExit(1)\n```\n\n"
+        "<!-- readme-test: needs json -->\n```python\nimport json\n```\n"
+    )
+    absent, present = cases_from(md, "NEEDS.md")
+    assert absent.needs == ("no_such_module_aionvme",) and present.needs == ("json",)
+    with pytest.raises(pytest.skip.Exception, match="needs no_such_module_aionvme"):
+        check(absent, tmp_path)
+    check(present, tmp_path)
+
+
+def test_a_block_run_without_torch_cannot_import_it(tmp_path):
+    (numpy_only,) = cases_from("```python\nimport numpy\n```\n", "BARE.md")
+    assert numpy_only.numpy_only
+    probe = dataclasses.replace(
+        numpy_only,
+        code=(
+            "import importlib.util, sys\n"
+            "assert importlib.util.find_spec('torch') is None\n"
+            "try:\n    import torch\nexcept ModuleNotFoundError:\n    sys.exit(0)\nsys.exit(3)\n"
+        ),
+        without_torch=True,
+    )
+    check(probe, tmp_path)
+    uses_torch = dataclasses.replace(probe, code="import torch\n")
+    with pytest.raises(pytest.fail.Exception, match="ModuleNotFoundError"):
+        check(uses_torch, tmp_path)
