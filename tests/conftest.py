@@ -35,6 +35,28 @@ def pytest_asyncio_loop_factories(config, item):
     return factories
 
 
+# Peers that the README's test command cannot install (their packages need --no-deps: DeepSpeed's
+# bare torch requirement, mosaicml-streaming's torchvision): their tests skip there, with the reason,
+# and .ci/run's extra job installs them and runs `pytest -m peers`.
+PEER_FILES = {"test_deepspeed_compat.py", "test_data_mds.py"}
+PEER_MODULES = ("deepspeed", "streaming")
+
+
+def _needs_a_peer(item: pytest.Item) -> bool:
+    if item.path.name in PEER_FILES:
+        return True
+    return any(
+        any(m in str(mark.kwargs.get("reason", "")) for m in PEER_MODULES)
+        for mark in item.iter_markers("skipif")
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _needs_a_peer(item):
+            item.add_marker(pytest.mark.peers)
+
+
 IS_ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="needs root (mounts, loop devices, page cache)")
 

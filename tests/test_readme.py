@@ -18,6 +18,7 @@ The extractor and runner are tested on a small fixture README first.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import re
@@ -25,7 +26,6 @@ import shlex
 import subprocess
 import sys
 import textwrap
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
