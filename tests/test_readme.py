@@ -11,7 +11,7 @@ with that reason (for CUDA-only examples); one right after
 where one of those modules is not installed (the README's test command does not
 install them: DeepSpeed, say), and runs where they are. A python block that never
 names torch and has no such marker claims to need only numpy: it runs a second time with torch hidden
-(``sys.modules["torch"] = None``: ``import torch`` fails and
+(a path finder that never finds it: ``import torch`` fails and
 ``importlib.util.find_spec("torch")`` is None, as where torch is not installed).
 The extractor and runner are tested on a small fixture README first.
 """
@@ -140,12 +140,22 @@ def execute(case: Case, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
-# Runs the script named by argv[1] as __main__ where torch cannot be imported, as where it is
-# not installed: a None in sys.modules makes `import torch` raise ModuleNotFoundError and
-# importlib.util.find_spec("torch") return None.
+# Runs the script named by argv[1] as __main__ where torch cannot be imported, as where it is not
+# installed: the path finder is wrapped so that it never finds torch, so `import torch` raises
+# ModuleNotFoundError, importlib.util.find_spec("torch") is None and "torch" is not in sys.modules.
 _WITHOUT_TORCH = """
-import runpy, sys
-sys.modules["torch"] = None
+import importlib.machinery, runpy, sys
+
+class _PathFinderWithoutTorch(importlib.machinery.PathFinder):
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            return None
+        return super().find_spec(name, path, target)
+
+sys.meta_path[:] = [
+    _PathFinderWithoutTorch if f is importlib.machinery.PathFinder else f for f in sys.meta_path
+]
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -282,7 +292,7 @@ def test_a_block_run_without_torch_cannot_import_it(tmp_path):
         numpy_only,
         code=(
             "import importlib.util, sys\n"
-            "assert importlib.util.find_spec('torch') is None\n"
+            "assert importlib.util.find_spec('torch') is None and 'torch' not in sys.modules\n"
             "try:\n    import torch\nexcept ModuleNotFoundError:\n    sys.exit(0)\nsys.exit(3)\n"
         ),
         without_torch=True,
