@@ -111,7 +111,7 @@ fi
 tail -12 "$OUT/tune_gpu.log"
 if "$PY" -c "import deepspeed" 2>/dev/null; then
     step "offload: ZeRO-3 optimizer state on NVMe through the DeepSpeed drop-in"
-    if ! timeout 900 "$PY" bench/zero3_nvme_train.py --nvme "$SCRATCH/zero3_swap" --steps 10 \
+    if ! timeout 900 "$PY" bench/probes/zero3_nvme_train.py --nvme "$SCRATCH/zero3_swap" --steps 10 \
             > "$OUT/zero3_nvme.log" 2>&1; then
         failed+=("zero3_nvme_train")
     fi

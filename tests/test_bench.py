@@ -317,10 +317,9 @@ def test_misaligned_seqread_checks_every_byte(tmp_path):
 def test_the_package_needs_neither_the_cli_nor_torch():
     # the library side of benchmarking: importing it pulls in no CLI and no torch
     code = (
-        "import sys, aionvme.bench, aionvme.benchmark\n"
+        "import sys, aionvme.bench\n"
         "bad = [m for m in sys.modules if m.startswith(('aionvme.cli', 'torch'))]\n"
         "assert not bad, bad\n"
-        "assert aionvme.benchmark.seqread is aionvme.bench.seqread\n"
     )
     env = dict(os.environ, PYTHONPATH=SRC)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
@@ -390,14 +389,15 @@ def test_deepspeed_peer_reads_and_writes_with_its_own_op(tmp_path):
         assert B.check_pattern(np.frombuffer(f.read(), np.uint8).copy(), 0)
 
 
-@pytest.mark.parametrize(
-    "script", sorted(p.name for p in (Path(__file__).resolve().parent.parent / "bench").glob("*.py"))
-)
+_BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+@pytest.mark.parametrize("script", sorted(str(p.relative_to(_BENCH)) for p in _BENCH.glob("*/*.py")))
 def test_every_bench_script_imports_and_answers_help(script):
     # The scripts import the library's bench package: a rename must not leave one broken.
     root = Path(__file__).resolve().parent.parent
     argv = [sys.executable, str(root / "bench" / script), "--help"]
-    if script == "cached_reads.py":  # no options: a small run instead
+    if script == "probes/cached_reads.py":  # no options: a small run instead
         argv[-1] = "2000"
     r = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=root)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
@@ -406,11 +406,11 @@ def test_every_bench_script_imports_and_answers_help(script):
 @pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler (cc)")
 @pytest.mark.parametrize("mode", ["fio", "loop", "gather"])
 def test_aio_shape_runs_each_shape_and_reports_its_longest_step(tmp_path, mode):
-    # bench/aio_shape.c gives bench/README.md its C figures: it must keep
+    # bench/c/aio_shape.c gives bench/README.md its C figures: it must keep
     # building, reading, and reporting the step line next to the reactor's.
     root = Path(__file__).resolve().parent.parent
     exe = tmp_path / "aio_shape"
-    src = str(root / "bench" / "aio_shape.c")
+    src = str(root / "bench" / "c" / "aio_shape.c")
     subprocess.run(["cc", "-O2", "-o", str(exe), src], check=True, timeout=120)
     path = tmp_path / "f.bin"
     path.write_bytes(os.urandom(4 << 20))
@@ -436,10 +436,10 @@ def test_aio_shape_runs_each_shape_and_reports_its_longest_step(tmp_path, mode):
 
 @pytest.mark.skipif(shutil.which("fio") is None, reason="needs fio")
 def test_seqwrite_alternated_pairs_each_round_and_reports_the_ratios(tmp_path):
-    # bench/seqwrite_alternated.py gives bench/README.md its write ratios: every round
+    # bench/suites/seqwrite_alternated.py gives bench/README.md its write ratios: every round
     # must hold every writer, and the summary the ratios paired within rounds.
     root = Path(__file__).resolve().parent.parent
-    argv = [sys.executable, str(root / "bench" / "seqwrite_alternated.py")]
+    argv = [sys.executable, str(root / "bench" / "suites" / "seqwrite_alternated.py")]
     argv += ["--size", "8M", "--rounds", "2", "--pause", "0", "--dir", str(tmp_path), "--seed", "1"]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=root)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
@@ -459,10 +459,10 @@ def test_seqwrite_alternated_pairs_each_round_and_reports_the_ratios(tmp_path):
 
 
 def test_refill_thread_bench_runs_each_workload_both_ways(tmp_path):
-    # bench/refill_thread.py gives bench/README.md the refill thread's ratios:
+    # bench/probes/refill_thread.py gives bench/README.md the refill thread's ratios:
     # every workload must run with and without the thread in every round.
     root = Path(__file__).resolve().parent.parent
-    argv = [sys.executable, str(root / "bench" / "refill_thread.py")]
+    argv = [sys.executable, str(root / "bench" / "probes" / "refill_thread.py")]
     argv += ["--size", "16M", "--ops", "3000", "--rounds", "2", "--busy-ms", "0.2", "--work-ms", "0.2"]
     argv += ["--dir", str(tmp_path)]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=root)

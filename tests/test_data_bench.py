@@ -1,4 +1,4 @@
-"""bench/bench_loader.py runs and checks what it claims (tiny sizes; speed is measured in bench/)."""
+"""bench/suites/bench_loader.py runs and checks what it claims (tiny sizes; speed is measured in bench/)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def test_bench_loader_smoke(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), *sys.path]))
     cmd = [
         sys.executable,
-        str(ROOT / "bench" / "bench_loader.py"),
+        str(ROOT / "bench" / "suites" / "bench_loader.py"),
         "--size",
         "16M",
         "--small-size",

@@ -177,7 +177,7 @@ def _slow_file(tmp_path: Path, data: np.ndarray, read_iops: int) -> Iterator[str
 def test_overlap_events_slides_the_window_on_a_slow_device(tmp_path):
     # On a device that completes chunks one at a time, the sliding window
     # submits a replacement after each completion; batch-and-wait submits
-    # whole windows only. (On this VM's fast disk a whole window completes
+    # whole windows only. (On a fast virtio disk a whole window completes
     # inside io_submit, so the two cannot be told apart there.)
     # The throttle lets one or two chunks through per 100 ms slice.
     data = np.random.default_rng(5).integers(0, 256, 8 * 64 * 1024, dtype=np.uint8)

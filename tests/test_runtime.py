@@ -44,8 +44,8 @@ async def test_longest_callback_counts_the_tasks_a_wakeup_runs(make_file):
         for i in range(20):  # reads that do not block: under 1 ms, a few ms on a busy VM
             await f.pread(b, i * 4096)
         quick = nvme.stats()["longest_callback_s"]
-        # the bound leaves room for the host: it took this VM's CPU for up to 36 ms
-        # in one callback (bench/README.md, thirteenth round)
+        # the bound leaves room for the host: a VM's host took the CPU for up to 36 ms
+        # in one callback (bench/JOURNAL.md, 2026-12-03)
         assert 0.0 < quick < 0.15
 
         async def reads_then_blocks() -> None:

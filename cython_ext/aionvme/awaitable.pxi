@@ -14,9 +14,9 @@
 # make go to the kernel in the flush that follows at once. Callbacks added
 # after completion, and every delivery made from elsewhere (a task calling
 # flush_now, the reactor closing), go through call_soon as asyncio's do.
-# Counted with callgrind (bench/gather_cpu.py's pattern, uvloop), per 4 KiB
+# Counted with callgrind (bench/probes/gather_cpu.py's pattern, uvloop), per 4 KiB
 # read: 9.96k instructions with an exact Future inside, 8.31k without
-# (bench/README.md, tenth round).
+# (bench/JOURNAL.md, 2026-12-02).
 #
 # A Task awaiting a Transfer waits on the Transfer itself (asyncio's protocol
 # for future-likes: _asyncio_future_blocking, get_loop, add_done_callback), so
@@ -467,7 +467,7 @@ cdef int _call_in(object fn, Transfer t, object ctx) except -1:
 # How long _wake runs woken tasks inside one reactor callback before it leaves
 # the rest to the loop (call_soon, in order): the loop then runs whatever else
 # is ready between them. A burst of 64 woken tasks takes ~0.5 ms here; on a
-# busy VM the same burst sometimes took 3-8 ms (bench/README.md, twelfth round).
+# busy VM the same burst sometimes took 3-8 ms (bench/JOURNAL.md, 2026-12-03).
 cdef int64_t _wake_budget_ns = 2 * 1000 * 1000
 cdef Py_ssize_t WAKE_CHECK_EVERY = 8   # tasks between two clock reads
 
@@ -591,8 +591,8 @@ cdef class Hub:
     of completions queue their next reads one by one, and the device restarts
     after a few task steps instead of after all of them (64 coroutines doing
     4 KiB reads: 56k -> 70-77k IOPS here; groups of 4 rather than 12 gave
-    another ~5%, at the same CPU per read on uvloop: bench/README.md's
-    thirteenth round. Each call is a VM exit on a virtio disk, and the host
+    another ~5%, at the same CPU per read on uvloop: 1.05x over 40 paired
+    rounds, bench/JOURNAL.md. Each call is a VM exit on a virtio disk, and the host
     starts on a group only when it arrives). Requests that finished during such
     an early flush wait in ``held`` for the scheduled one to deliver them.
 

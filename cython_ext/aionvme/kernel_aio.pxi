@@ -25,7 +25,7 @@ cdef int32_t _aio_submit(Submitter *s, iocb **cbs, int32_t n, bint wait_for_room
     # QD 64 here, 72-77k IOPS in one call, 80-84k with the ramp from 2. It
     # starts at 4 (defaults.submit_ramp), the size of a loop's flushes
     # (submit_batch): each is one call, and a refill of 64 starts after 4,
-    # not 8 (1.03x the IOPS in C, bench/aio_shape.c over 20 alternated
+    # not 8 (1.03x the IOPS in C, bench/c/aio_shape.c over 20 alternated
     # rounds; ~1.01x, within the noise, in the Python workloads). A ramp
     # from 2 would split every flush of 4 in two calls.
     cdef int32_t cap = s.ramp if s.ramp > 0 else n

@@ -20,7 +20,7 @@
  * - Submissions of more than two SQEs are plugged until the call returns,
  *   as with io_submit: the engine submits a batch in ramped calls.
  *
- * Not used, measured (bench/uring_registered.c: 4 KiB random reads at QD 64
+ * Not used, measured (bench/c/uring_registered.c: 4 KiB random reads at QD 64
  * in C, the kernel side alone; 2-vCPU VM at load 7-8, so the least CPU of 5-6
  * alternated runs per variant, in us per read):
  * - Registered files (IORING_REGISTER_FILES, IOSQE_FIXED_FILE) and buffers

@@ -63,7 +63,7 @@ _owners: weakref.WeakKeyDictionary[Engine, int] = weakref.WeakKeyDictionary()  #
 # How an engine uses io_uring, by defaults.engine: "uring" sends every transfer
 # through it; "auto" keeps kernel AIO for O_DIRECT and takes io_uring for files
 # served buffered, where a page-cache hit then completes in the submitting call
-# instead of on a worker thread. Measured here (bench/README.md, io_uring):
+# instead of on a worker thread. Measured (bench/README.md, page-cache reads):
 # O_DIRECT through the ring was 0.93-0.99x kernel AIO (4 KiB random reads,
 # sequential reads), cached 4 KiB reads 2.0x the worker pool at a third of the CPU.
 _URING_MODE = {"uring": 2, "auto": 1}
@@ -202,7 +202,7 @@ class Reactor:
         # with the tasks it wakes: they run inside it), in ns: how long
         # aionvme held the loop at most. Costs two clock reads per wakeup,
         # where a timer that watches the loop from outside wakes it every
-        # interval (bench/README.md, twelfth round).
+        # interval (a few percent of 4 KiB random-read IOPS: bench/JOURNAL.md, 2026-12-03).
         self.longest_ns = 0
         loop.add_reader(self._fd, self._pump)
 

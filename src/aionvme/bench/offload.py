@@ -2,7 +2,7 @@
 optimizer step with its state on NVMe, each against its bound.
 
 Small by default (a 32 MiB model, a 4M-parameter optimizer), so that
-``aionvme bench -w offload`` runs in seconds; ``bench/bench_offload.py`` is
+``aionvme bench -w offload`` runs in seconds; ``bench/suites/bench_offload.py`` is
 the full benchmark (a transformers Llama, accelerate and DeepSpeed side by side).
 """
 

@@ -136,7 +136,7 @@ async def seqwrite(
 # every LATENCY_SAMPLE-th): timing every read in Python (two clock calls and a
 # store, ~1.4k instructions, 0.5 µs of CPU per read here) was charged to the
 # runtime under test, and cost it ~4% of its IOPS against fio, which times its
-# reads in C (bench/README.md, twelfth round). The sample's percentiles are the
+# reads in C (0.93x against 0.98x of fio: bench/JOURNAL.md, 2026-12-03). The sample's percentiles are the
 # run's: it is spread evenly over the whole run.
 LATENCY_SAMPLE = 8
 

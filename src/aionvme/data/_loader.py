@@ -75,7 +75,7 @@ class _Slab:
             # (numpy releases the GIL for the loop): else the first io_submit
             # into it faults and zeroes the pages while the batch's reads wait,
             # on the engine's submitter thread for batches over 512 KiB and on
-            # the loop thread for smaller ones. Measured in this VM, whose fresh
+            # the loop thread for smaller ones. Measured by bench/suites/bench_loader.py on a VM whose fresh
             # memory the host backs on first touch (perf: clear_page_erms under
             # io_submit): 256 MiB cost 0.3-0.5 s of CPU, the first epoch of a
             # new Loader 111-119 µs CPU/sample instead of ~20.
@@ -657,7 +657,7 @@ class Loader:
         # reads and resolves them, so a slow step holds this thread, never the
         # loop (tests/test_background.py checks that other blocking calls go
         # on meanwhile). Measured against the private uvloop thread it had
-        # before (bench/loader_loop.py: 16k 4 KiB samples from the page cache,
+        # before (bench/JOURNAL.md, 2026-12-01: 16k 4 KiB samples from the page cache,
         # batch 256, four runs of 5 alternated rounds on the loaded 2-core
         # machine): wall medians 51.5-60.9 vs 47.2-69.4 us per sample, CPU
         # 21.8-24.2 vs 20.9-24.3 us; within the noise (asyncio may cost up to

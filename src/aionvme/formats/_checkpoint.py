@@ -276,7 +276,7 @@ class _Staging:
 
 # The buffer of the last finished background save, by kind (pinned or not),
 # kept for the next one: a fresh buffer must be faulted in page by page, which
-# on this VM cost 1 s for 544 MiB when the memory had gone back to the host,
+# in bench/suites/bench_formats.py cost 1 s for 544 MiB when the memory had gone back to the host,
 # against 0.09 s to copy into a buffer used before (the snapshot is what
 # blocks training). release_snapshot_buffers() frees them.
 _spare: dict[bool, Any] = {}

@@ -4,18 +4,18 @@ together by one callback (what the reactor does with a burst of completions).
 
 This is the floor under `aionvme gather` CPU per op that no I/O engine can
 remove: a task switch, a future, a callback per operation. Compare it with
-bench/gather_cpu.py (the same pattern with real 4 KiB O_DIRECT reads) and with
-fio's CPU per op (bench/compare.py):
+bench/probes/gather_cpu.py (the same pattern with real 4 KiB O_DIRECT reads) and with
+fio's CPU per op (bench/suites/compare.py):
 
-    python3 bench/asyncio_floor.py             # asyncio and uvloop, 3 runs each
-    python3 bench/asyncio_floor.py --ops 200000
+    python3 bench/probes/asyncio_floor.py             # asyncio and uvloop, 3 runs each
+    python3 bench/probes/asyncio_floor.py --ops 200000
 
 Each loop runs twice: with exact asyncio futures (what a Task awaiting an
-aionvme transfer waited on from 2026-12-02 until stop 27, when transfers
-became future-likes of their own, resolved without a Future or a Handle:
-bench/README.md, tenth round) and with a Python subclass of asyncio.Future
-(what the runtime used before): a Task takes its C fast path only for an
-exact Future, and the subclass also costs more to make.
+aionvme transfer waited on before transfers became future-likes of their own,
+resolved without a Future or a Handle: bench/JOURNAL.md, 2026-12-02) and with
+a Python subclass of asyncio.Future (what the runtime used before that): a
+Task takes its C fast path only for an exact Future, and the subclass also
+costs more to make.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
  * the block device's request count and size (virtio-blk: /sys/block/vda/stat),
  * in C, without aionvme: 16 MiB pwrite calls, one at a time, then fdatasync.
  *
- *   cc -O2 -o /tmp/scatter_write bench/scatter_write.c
+ *   cc -O2 -o /tmp/scatter_write bench/c/scatter_write.c
  *   /tmp/scatter_write /var/tmp/sw.bin 1024 0    # MiB; 0: pages faulted first to last
  *   /tmp/scatter_write /var/tmp/sw.bin 1024 1    # 1: MADV_HUGEPAGE
  *   /tmp/scatter_write /var/tmp/sw.bin 1024 2    # 2: pages faulted last to first (scattered)

@@ -1,8 +1,8 @@
 """Models bigger than memory: layer streaming and optimizer state on NVMe.
 
-    python3 bench/bench_offload.py                                   # ~400 MB model, 100 MB budget
-    python3 bench/bench_offload.py --model-size 6G --budget 1536M --opt-params 500M --opt-budget 1G
-    python3 bench/bench_offload.py --plot timeline.png --json
+    python3 bench/suites/bench_offload.py                                   # ~400 MB model, 100 MB budget
+    python3 bench/suites/bench_offload.py --model-size 6G --budget 1536M --opt-params 500M --opt-budget 1G
+    python3 bench/suites/bench_offload.py --plot timeline.png --json
 
 Streaming: a transformers Llama-style model from a config with random weights
 (nothing downloaded), saved with ``save_pretrained`` (sharded), run for one
@@ -60,7 +60,7 @@ from aionvme.defaults import parse_size
 
 def fio_bw(path: str, rw: str, size: int) -> float:
     """fio's best sequential bandwidth in bytes/s (libaio, O_DIRECT, depth 32) of 1 MiB and
-    16 MiB blocks: the device's practical ceiling, as bench/compare.py takes it. 1 MiB
+    16 MiB blocks: the device's practical ceiling, as bench/suites/compare.py takes it. 1 MiB
     blocks alone measured 0.8-1.7 GB/s on the 2-vCPU VM where 64 MiB requests read
     2.4 GB/s, which made the bounds loose."""
     from aionvme.bench.peers import fio

@@ -3,8 +3,8 @@ the engine's huge-page buffers (``write_copy``), and the requests the device saw
 
 ::
 
-    python3 bench/write_scatter.py                     # 512 MiB, 3 alternated rounds
-    python3 bench/write_scatter.py --size 1G --rounds 5 --dir /nvme
+    python3 bench/probes/write_scatter.py                     # 512 MiB, 3 alternated rounds
+    python3 bench/probes/write_scatter.py --size 1G --rounds 5 --dir /nvme
 
 Sources (each allocated once, written by every mode):
 - first-to-last: an anonymous mapping faulted first page to last by one thread

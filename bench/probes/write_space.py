@@ -15,8 +15,8 @@ below its ``max_sectors_kb`` cuts each request from such memory short (see
 (file offset = its address modulo 4096), as TieredStore and the DCP writer
 place them.
 
-    python3 bench/write_space.py                      # 32 x 64 MiB, 3 rounds
-    python3 bench/write_space.py --dir /nvme --count 16 --size 128M --repeat 5
+    python3 bench/probes/write_space.py                      # 32 x 64 MiB, 3 rounds
+    python3 bench/probes/write_space.py --dir /nvme --count 16 --size 128M --repeat 5
 """
 
 from __future__ import annotations

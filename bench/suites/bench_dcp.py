@@ -1,7 +1,7 @@
 """torch.distributed.checkpoint on aionvme vs torch's own storage and fio.
 
-    python3 bench/bench_dcp.py                                # 2 GiB, 1, 2 and 4 ranks
-    python3 bench/bench_dcp.py --size 256M --ranks 1,2 --torch-threads 1,4
+    python3 bench/suites/bench_dcp.py                                # 2 GiB, 1, 2 and 4 ranks
+    python3 bench/suites/bench_dcp.py --size 256M --ranks 1,2 --torch-threads 1,4
 
 For each rank count it starts a real gloo process group (subprocesses, env://
 on 127.0.0.1) whose ranks hold ``size / ranks`` bytes of tensors each, and
@@ -30,7 +30,7 @@ reader: memory scattered in physical memory makes small requests (see
 turns the copy off for an A/B).
 Prints a Markdown table (``--json`` for the raw figures).
 
-    python3 bench/bench_dcp.py --repeat 3                     # the figures in bench/README.md
+    python3 bench/suites/bench_dcp.py --repeat 3                     # the figures in bench/README.md
 """
 
 from __future__ import annotations

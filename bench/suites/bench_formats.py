@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """safetensors files and checkpoints: aionvme vs the formats' own loaders.
 
-    python3 bench/bench_formats.py                     # 512 MiB, 5 runs, both workloads
-    python3 bench/bench_formats.py --size 1G --repeat 7 --workload safetensors
+    python3 bench/suites/bench_formats.py                     # 512 MiB, 5 runs, both workloads
+    python3 bench/suites/bench_formats.py --size 1G --repeat 7 --workload safetensors
 
 Runs the format workloads of aionvme.bench (the same as ``aionvme bench
 --workload safetensors|checkpoint``) several times and prints the median of

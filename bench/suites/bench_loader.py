@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """aionvme.data.Loader next to fio and the data loaders people use, on the same data.
 
-    python3 bench/bench_loader.py                # 1 GiB of 128 KiB samples, 256 MiB of 4 KiB samples
-    python3 bench/bench_loader.py --size 64M --small-size 16M --prefetch 16M --quick   # a smoke run
-    python3 bench/bench_loader.py --json loader.json --markdown loader.md
+    python3 bench/suites/bench_loader.py                # 1 GiB of 128 KiB samples, 256 MiB of 4 KiB samples
+    python3 bench/suites/bench_loader.py --size 64M --small-size 16M --prefetch 16M --quick   # a smoke run
+    python3 bench/suites/bench_loader.py --json loader.json --markdown loader.md
 
 Workloads (one epoch each, shuffled, the page cache dropped before every run when root):
   128k   samples of 128 KiB, batch 64: aionvme async and sync, against fio randread bs=128k QD 64

@@ -1,8 +1,8 @@
 """4 KiB random reads, gather, batch and rows on both loops, each round between two fio runs.
 
-    python3 bench/randread_alternated.py                      # 1 GiB file, 100k reads, 5 rounds
-    python3 bench/randread_alternated.py --rounds 3 --ops 50000 --dir /nvme
-    python3 bench/randread_alternated.py --fio-engine io_uring          # issue 17's reference
+    python3 bench/suites/randread_alternated.py                      # 1 GiB file, 100k reads, 5 rounds
+    python3 bench/suites/randread_alternated.py --rounds 3 --ops 50000 --dir /nvme
+    python3 bench/suites/randread_alternated.py --fio-engine io_uring          # issue 17's reference
 
 fio's IOPS on the VM of bench/README.md move 70-85k between runs minutes apart,
 so a ratio against one fio run taken elsewhere in a long comparison is noisy.

@@ -1,8 +1,8 @@
 """ZeRO-3 training with the optimizer state offloaded to NVMe, on aionvme's
 DeepSpeed drop-in (no libaio, no async_io op build).
 
-    python3 bench/zero3_nvme_train.py --nvme /nvme/ds_swap --steps 20        # one GPU, no launcher needed
-    deepspeed bench/zero3_nvme_train.py --nvme /nvme/ds_swap --steps 20     # or through the launcher
+    python3 bench/probes/zero3_nvme_train.py --nvme /nvme/ds_swap --steps 20    # one GPU, no launcher
+    deepspeed bench/probes/zero3_nvme_train.py --nvme /nvme/ds_swap --steps 20  # or through the launcher
 
 A Llama-style model from a config with random weights (nothing downloaded),
 trained for ``--steps`` steps on random tokens with ZeRO stage 3,

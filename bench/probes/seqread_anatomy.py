@@ -3,9 +3,10 @@
 ``aio_handle`` reading a whole file into one buffer, cold cache, each run in
 a fresh process, arms alternating round after round.
 
-    python3 bench/seqread_anatomy.py --rounds 8                      # the default arms
-    python3 bench/seqread_anatomy.py --arm "ours AIONVME_INFLIGHT_BYTES=256M" --arm "ds 1M 128 1 locked"
-    python3 bench/seqread_anatomy.py --strace --rounds 1             # io_submit shapes instead of speed
+    python3 bench/probes/seqread_anatomy.py --rounds 8               # the default arms
+    python3 bench/probes/seqread_anatomy.py --arm "ours AIONVME_INFLIGHT_BYTES=256M" \\
+        --arm "ds 1M 128 1 locked"
+    python3 bench/probes/seqread_anatomy.py --strace --rounds 1      # io_submit shapes instead of speed
 
 An arm is ``ours [buffer=thp|4k|mlock] [request=SIZE] [ENV=VALUE ...]`` (aionvme's
 ``pread`` of the whole file as one request, or as requests of SIZE, into a

@@ -18,11 +18,11 @@
  *                and every 4 queued go in at once, in one call: the shape of 64
  *                coroutines awaiting aionvme reads (submit_batch 4, ramp 4;
  *                GATHER_BATCH=N in the environment queues N instead of 4, 12 being
- *                submit_batch before the thirteenth round of bench/README.md;
+ *                submit_batch's old default (bench/JOURNAL.md, 2026-12-03);
  *                GATHER_FIRST=F makes each wakeup's first group F, doubling up to N)
  *
- * RAMP=R (default 4, aionvme's submit_ramp; 8 before the fourteenth round of
- * bench/README.md) is the first call's count of iocbs in the grouped shapes,
+ * RAMP=R (default 4, aionvme's submit_ramp; 8 was its old default, bench/JOURNAL.md,
+ * 2026-12-03) is the first call's count of iocbs in the grouped shapes,
  * doubling in each next call; RAMP_FIXED=1 keeps every call at R.
  *
  * SPIN_NS (the 6th argument, default 0) is busy work per completion before its
@@ -37,7 +37,7 @@
  * time in it, and how many steps took over 5 ms: what an event loop would count as
  * the stall of its callback, for a program with no Python in it.
  *
- *   cc -O2 -o /tmp/aio_shape bench/aio_shape.c
+ *   cc -O2 -o /tmp/aio_shape bench/c/aio_shape.c
  *   /tmp/aio_shape FILE MODE [QD=64] [READS=100000] [DEV=vda] [SPIN_NS=0]
  *
  * Raw syscalls: no libaio needed.

@@ -1,6 +1,6 @@
 """How fast a 1 MiB memcpy into a buffer is right after the thread paused.
 
-    python3 bench/cold_copy.py [DIR]
+    python3 bench/probes/cold_copy.py [DIR]
 
 A put into the TieredStore copies the value into the host tier, often just
 after the loop thread slept in a write. On the 2-vCPU VM of bench/README.md a

@@ -1,7 +1,7 @@
 """Sequential writes (a fresh 1 GiB file + fsync), aionvme against DeepSpeed and fio, alternated.
 
-    python3 bench/seqwrite_alternated.py                    # 1 GiB, 10 rounds
-    python3 bench/seqwrite_alternated.py --rounds 20 --dir /nvme
+    python3 bench/suites/seqwrite_alternated.py                    # 1 GiB, 10 rounds
+    python3 bench/suites/seqwrite_alternated.py --rounds 20 --dir /nvme
 
 Issue 17's target is 1.1x DeepSpeed's best configuration. On the VM of bench/README.md one
 writer's rate moves by a fifth between runs a minute apart, so one run of each, or the best

@@ -1,8 +1,8 @@
 """4 KiB random reads from a file in the page cache (buffered, batches of 64):
 io_uring (engine 'auto' or 'uring') against the worker pool (engine 'aio').
 
-    python3 bench/cached_reads.py 100000                      # auto: buffered files through io_uring
-    AIONVME_ENGINE=aio python3 bench/cached_reads.py 100000   # the worker pool serves buffered files
+    python3 bench/probes/cached_reads.py 100000                      # auto: buffered files through io_uring
+    AIONVME_ENGINE=aio python3 bench/probes/cached_reads.py 100000   # the worker pool serves buffered files
 """
 
 import asyncio

@@ -2,7 +2,7 @@
  * 4 KiB random reads, below aionvme's engine: the kernel side alone, in C, so
  * the difference is not lost in the Python layer's ~8 us per read.
  *
- *   cc -O2 -o /tmp/uring_registered bench/uring_registered.c
+ *   cc -O2 -o /tmp/uring_registered bench/c/uring_registered.c
  *   /tmp/uring_registered FILE cached|direct QD NOPS plain|files|bufs|both|sqpoll
  *
  * Keeps QD reads of 4 KiB at random aligned offsets in flight (one

@@ -1,7 +1,7 @@
 """The engine's refill thread (``defaults.refill_thread``) on and off, alternated, in the same run.
 
-    python3 bench/refill_thread.py                          # 1 GiB file, 100k reads, 5 rounds
-    python3 bench/refill_thread.py --rounds 10 --dir /nvme --busy-ms 1 --work-ms 5
+    python3 bench/probes/refill_thread.py                          # 1 GiB file, 100k reads, 5 rounds
+    python3 bench/probes/refill_thread.py --rounds 10 --dir /nvme --busy-ms 1 --work-ms 5
 
 Each round runs every workload with ``AIONVME_REFILL_THREAD=1`` and ``=0``, each in its own
 process, in a random order:
@@ -34,7 +34,10 @@ import tempfile
 
 from aionvme.bench import make_file
 from aionvme.defaults import parse_size
-from seqwrite_alternated import _summary  # the paired-ratio summary of bench/README.md's tables
+
+# the paired-ratio summary of the suites' tables, from its suite (this probe runs from bench/probes/)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "suites"))
+from seqwrite_alternated import _summary
 
 CHILD = r"""
 import asyncio, json, sys, time

@@ -29,8 +29,9 @@ Workloads (each figure in GB/s, 1 GB = 1e9 bytes):
 nvme-get and put-evict run --repeat times with fio first in every other run,
 and every timed side starts after a sync and --settle seconds of idle.
 
-    python3 bench/bench_store.py --quick                    # small sizes: proves it runs
-    python3 bench/bench_store.py --dir /nvme --sizes 1M,4M,16M,64M --total 2G --plot sweep.png --json out.json
+    python3 bench/suites/bench_store.py --quick                    # small sizes: proves it runs
+    python3 bench/suites/bench_store.py --dir /nvme --sizes 1M,4M,16M,64M --total 2G \\
+        --plot sweep.png --json out.json
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """CPU per 4 KiB random read when 64 coroutines each await File.pread in turn
 (the gather pattern), on a 256 MiB O_DIRECT file; for A/B runs of two builds:
 
-    PYTHONPATH=/path/to/build-a/src python3 bench/gather_cpu.py
-    PYTHONPATH=/path/to/build-b/src python3 bench/gather_cpu.py
-    python3 bench/gather_cpu.py --profile        # cProfile of the Python layer
+    PYTHONPATH=/path/to/build-a/src python3 bench/probes/gather_cpu.py
+    PYTHONPATH=/path/to/build-b/src python3 bench/probes/gather_cpu.py
+    python3 bench/probes/gather_cpu.py --profile        # cProfile of the Python layer
 """
 
 import asyncio

@@ -10,9 +10,9 @@ ceiling: for sequential reads and writes a small bs x iodepth sweep, the
 best point of each repetition. Reported figures are medians over repetitions; ratios are
 computed per repetition, then their median is taken.
 
-    python3 bench/compare.py                       # 1 GiB, 3 repetitions, temp dir on a local disk
-    python3 bench/compare.py --size 256M --repeat 1 --quick
-    python3 bench/compare.py --json results.json --markdown results.md
+    python3 bench/suites/compare.py                       # 1 GiB, 3 repetitions, temp dir on a local disk
+    python3 bench/suites/compare.py --size 256M --repeat 1 --quick
+    python3 bench/suites/compare.py --json results.json --markdown results.md
 
 Baselines:
   fio             libaio and io_uring engines, O_DIRECT (needs fio in PATH)
