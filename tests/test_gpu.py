@@ -17,6 +17,7 @@ import pytest
 
 import aionvme as nvme
 from aionvme import defaults, gpu
+from aionvme._runtime import pinned
 from aionvme.exceptions import NonContiguousBufferError, ShortReadError
 
 torch = pytest.importorskip("torch")
@@ -253,7 +254,7 @@ def test_pinned_empty():
 
 
 def test_bounce_pool_is_pinned_and_bounded():
-    p = gpu.pool()
+    p = pinned.pool()
     assert p.pinned, p.why_not_pinned
     assert p.nslots >= 2 and p.slot_size == defaults.get("gpu_block_size")
 

@@ -64,7 +64,7 @@ async def test_wakeups_past_the_time_budget_are_left_to_the_loop(make_file, monk
     # budget is spent; the rest go through the loop, in order. With no budget
     # at all, at most 8 (one clock check's worth) run inside any one pump,
     # and every read still lands in its own buffer.
-    from aionvme import _engine
+    import aionvme._engine as _engine
 
     path, data = make_file(64 * 4096)
     inside: list[int] = []  # tasks resumed inside each pump

@@ -20,8 +20,8 @@ import collections.abc
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from .. import _engine, defaults
-from .._engine import MODE_NO_OVERLAP, MODE_SINGLE_SUBMIT, Engine, FileHandle, Request
+from .. import defaults
+from .._engine import MODE_NO_OVERLAP, MODE_SINGLE_SUBMIT, Engine, FileHandle, Request, gds_refuse_file
 from ..exceptions import CuFileError, NonContiguousBufferError, ShortReadError, UnsupportedOperation
 from . import bounce, cufile, scatter
 from .blocking import run as drive_request
@@ -278,7 +278,7 @@ def _fallback(fh: FileHandle, e: CuFileError) -> None:
     if e.code not in cufile.FALL_BACK or defaults.settings.gpu_path == "gds":
         raise e
     cufile.refuse(fh, f"cuFile refused a transfer: {e.strerror}")
-    _engine.gds_refuse_file(fh, e)
+    gds_refuse_file(fh, e)
 
 
 async def _device_part(
