@@ -541,3 +541,24 @@ async def test_chunks_larger_than_the_kernel_transfer_limit(tmp_path):
     assert await nvme.pread(buf, str(path), block_size="4G") == size
     assert bytes(buf[-8:]) == b"the end." and not buf[: 1 << 20].any()
     del buf
+
+
+def test_a_files_route_follows_the_defaults(tmp_path):
+    # The C side of File.pread/pwrite reads its parameters from the File's
+    # Route (built at open), which follows defaults.set() and its undoing
+    # without the engine reading the defaults module or the File's fields.
+    from aionvme._engine import Route
+
+    path = tmp_path / "f"
+    path.write_bytes(b"\0" * 8192)
+    with nvme.open(path, block_size="64k") as f:
+        route = f._route
+        assert isinstance(route, Route) and route.handle is f._handle()
+        assert route.block_size == 64 << 10 and route.parallelism is None
+        base = route.current_params()
+        assert base[0] == 64 << 10
+        with nvme.defaults.set(max_inflight=3):
+            assert route.current_params() == (64 << 10, 3, base[2])
+        assert route.current_params() == base
+    with nvme.open(path) as g, nvme.defaults.set(block_size="8k"):
+        assert g._params()[0] == 8192

@@ -37,8 +37,11 @@ from aionvme import exceptions as _exc
 # kernel_aio (io_submit, inline or on the submitter thread), uring (io_uring
 # submission through the same chunks), planning (cutting
 # a segment into aligned transfers), requests (Inode, FileHandle, Request),
-# engine (Engine: chunk slots, generate/submit/reap), awaitable (Transfer: what
-# an async call returns; the Future type comes from the reactor), gds (cuFile by dlopen),
+# engine (Engine: chunk slots, generate/submit/reap); then the asyncio glue,
+# a part of its own under glue/ (it never imports asyncio either: the reactor
+# binds the few names it needs): transfer (Transfer, what an async call
+# returns), delivery (resolving Transfers, waking their tasks), hub (a
+# reactor's submitting half, and the Route of an open File); gds (cuFile by dlopen),
 # probes (statx/statfs/io_setup for the Python layer), fork (locks a forked
 # child re-initialises).
 include "counters.pxi"
@@ -50,7 +53,9 @@ include "uring.pxi"
 include "planning.pxi"
 include "requests.pxi"
 include "engine.pxi"
-include "awaitable.pxi"
+include "glue/transfer.pxi"
+include "glue/delivery.pxi"
+include "glue/hub.pxi"
 include "gds.pxi"
 include "probes.pxi"
 include "fork.pxi"
