@@ -306,22 +306,16 @@ cdef class Engine:
     cdef void _lock_held(self) noexcept
     cdef void _unlock(self) noexcept nogil
     cdef void _pump_c(self, bint reap) noexcept nogil
-    cdef void _stop_refill(self) noexcept
     cdef int _enqueue(self, Request req) except -1
-    cdef int _setup_uring(self, int submit_ramp, bint direct) except -1
     cdef void _finish(self, ReqC *r) noexcept nogil
-    cdef void _queue_iocb(self, Chunk *ch) noexcept nogil
     cdef void _reaped_aio(self, Chunk *ch, int64_t res) noexcept nogil
     cdef void _stop_generating(self, ReqC *r) noexcept nogil
     cdef void _wait_efd(self, int ms) noexcept nogil
     cdef void _teardown(self) noexcept
-    cdef void _complete_chunk(self, Chunk *ch) noexcept nogil
-    cdef int _gen_chunk(self, ReqC *r, Chunk *ch) noexcept nogil
     cdef void _generate(self) noexcept nogil
     cdef void _submit(self) noexcept nogil
     cdef void _reap(self) noexcept nogil
     cdef void _reap_events(self) noexcept nogil
-    cdef void _adapt(self) noexcept nogil
     cdef list _collect(self)
 
 

@@ -122,6 +122,7 @@ cdef int _wake(list woken) except -1:
             raise
     return 0
 
+
 def deliver(list finished, object closed_error=None, object loop=None):
     """Resolve the Transfers of finished requests (on the loop's thread) and
     run the requests' own callbacks. closed_error: makes the exception for
