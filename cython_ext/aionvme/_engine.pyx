@@ -29,7 +29,7 @@ import os
 import sys
 from operator import index as _index
 
-from aionvme import exceptions as _exc
+import aionvme.exceptions as _exc
 
 # The parts, in dependency order: counters (leak counters, the debug build),
 # errors (errno -> OSError subclass), buffers (caller buffers, AlignedBuffer),
