@@ -14,9 +14,8 @@
 # make go to the kernel in the flush that follows at once. Callbacks added
 # after completion, and every delivery made from elsewhere (a task calling
 # flush_now, the reactor closing), go through call_soon as asyncio's do.
-# Counted with callgrind (bench/gather_cpu.py's pattern, uvloop), per 4 KiB
-# read: 9.96k instructions with an exact Future inside, 8.31k without
-# (bench/README.md, tenth round).
+# Counted with callgrind over bench/gather_cpu.py's pattern (uvloop), per
+# 4 KiB read: 9.96k instructions with an exact Future inside, 8.31k without.
 #
 # A Task awaiting a Transfer waits on the Transfer itself (asyncio's protocol
 # for future-likes: _asyncio_future_blocking, get_loop, add_done_callback), so
