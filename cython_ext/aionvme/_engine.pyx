@@ -23,6 +23,7 @@ from aionvme.includes.cufile cimport *
 from aionvme.includes.dlfcn cimport *
 from aionvme.includes.linux cimport *
 from aionvme.includes.pthread cimport *
+from aionvme.includes.pyglue cimport *
 from aionvme.includes.uring cimport *
 
 import os

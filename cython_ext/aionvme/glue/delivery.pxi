@@ -1,19 +1,3 @@
-
-cdef extern from *:
-    """
-    static int aionvme_finalizing(void) {
-    #if PY_VERSION_HEX >= 0x030D0000
-        return Py_IsFinalizing();
-    #else
-        return _Py_IsFinalizing();
-    #endif
-    }
-    """
-    PyObject *PyObject_CallMethodOneArg(object obj, object name, object arg)   # NULL: raised
-    void PyErr_WriteUnraisable(object obj)
-    bint aionvme_finalizing()
-
-
 cdef void _log_unretrieved(object loop, object exc) noexcept:
     # From a Transfer's dealloc, which may run while an exception is raised:
     # that exception is kept as it is, and one from the handler itself goes
