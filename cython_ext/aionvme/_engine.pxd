@@ -321,8 +321,11 @@ cdef class Engine:
 
 # -- the asyncio glue (glue/*.pxi) ------------------------------------------------
 
+cdef class Hub
+
 cdef class Transfer:
     cdef object loop
+    cdef Hub hub                  # the Hub that queued it: cancelling goes through it
     cdef public Request req       # the request, until the reactor delivered it
     cdef object value             # the byte count (ok) or the exception (failed)
     cdef object tb                # the exception's traceback when it was set
@@ -351,6 +354,7 @@ cdef class Hub:
     cdef object get_loop          # a callable returning loop (Transfer.get_loop): _LoopRef(loop).get
     cdef object call_soon
     cdef object flush_cb
+    cdef object cancel_cb         # the reactor's: stop a request, pump soon
     cdef public list held         # finished during an early flush, not delivered yet
     cdef public bint scheduled    # a flush is scheduled on the loop
     cdef int64_t queued

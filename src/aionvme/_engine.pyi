@@ -202,7 +202,14 @@ class Transfer:
 class Hub:
     held: list[Request]
     scheduled: bool
-    def __new__(cls, engine: Engine, loop: Any, flush_cb: Callable[[], None], early: int) -> Hub: ...
+    def __new__(
+        cls,
+        engine: Engine,
+        loop: Any,
+        flush_cb: Callable[[], None],
+        early: int,
+        cancel_cb: Callable[[Request], None],
+    ) -> Hub: ...
     @property
     def engine(self) -> Engine: ...
     @property

@@ -7,7 +7,8 @@ cdef class Hub:
     """The submitting half of a reactor, in C: wraps each queued request in
     its Transfer and schedules the flush that hands this loop iteration's
     requests to the kernel together (``flush_cb``, the reactor's, through
-    ``loop.call_soon``). Every ``early`` requests queued while a flush is
+    ``loop.call_soon``), and stops requests their Transfers cancel
+    (``cancel_cb``, the reactor's). Every ``early`` requests queued while a flush is
     scheduled are handed over at once (submit_batch): tasks woken by a burst
     of completions queue their next reads one by one, and the device restarts
     after a few task steps instead of after all of them (bench/gather_cpu.py,
@@ -21,8 +22,10 @@ cdef class Hub:
     below Python: a request, its Transfer and the scheduling in one call.
     """
 
-    def __cinit__(self, Engine engine not None, object loop, object flush_cb, long long early):
+    def __cinit__(self, Engine engine not None, object loop, object flush_cb, long long early,
+                  object cancel_cb):
         self.engine = engine
+        self.cancel_cb = cancel_cb
         self.live = True
         self.loop = loop
         self.get_loop = _LoopRef(loop).get
@@ -34,6 +37,7 @@ cdef class Hub:
     cdef Transfer _queued(self, Request req):
         cdef Transfer t = Transfer.__new__(Transfer)
         t.loop = self.loop
+        t.hub = self
         t.req = req
         req.future = t
         if not self.scheduled:

@@ -158,7 +158,7 @@ cdef class Transfer:
         cdef Request req = self.req
         if req is not None and not req.cancel_requested:
             req.cancel_requested = True
-            req.engine.owner._cancel(req)
+            self.hub.cancel_cb(req)
         return 0
 
     # -- asyncio's Future API ----------------------------------------------------
