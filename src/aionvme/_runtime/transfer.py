@@ -289,16 +289,8 @@ def submit_file(op: int, file: FileBase, data: Any, offset: int, p: Params | Non
     return submit(get_reactor, op, file, data, offset, p)
 
 
-async def _when_awaited(
-    reactor_of: Callable[[], Reactor],
-    op: int,
-    file: Any,
-    data: Any,
-    offset: int,
-    p: Params | None,
-    direct: bool | None,
-) -> int:
-    n: int = await submit(reactor_of, op, file, data, offset, p, direct)
+async def _when_awaited(reactor_of: Callable[[], Reactor], *args: Any) -> int:
+    n: int = await submit(reactor_of, *args)
     return n
 
 
