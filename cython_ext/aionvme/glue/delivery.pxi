@@ -56,9 +56,8 @@ cdef int _call_in(object fn, Transfer t, object ctx) except -1:
 
 # How long _wake runs woken tasks inside one reactor callback before it leaves
 # the rest to the loop (call_soon, in order): the loop then runs whatever else
-# is ready between them. A burst of 64 woken tasks takes ~0.5 ms on an idle
-# 2-vCPU VM, and sometimes 3-8 ms when the host steals the vCPU (the longest
-# callback of bench/gather_cpu.py's pattern, aionvme.stats()).
+# is ready between them. A burst of 64 woken tasks takes ~0.5 ms here; on a
+# busy VM the same burst sometimes took 3-8 ms (bench/JOURNAL.md, 2026-12-03).
 cdef int64_t _wake_budget_ns = 2 * 1000 * 1000
 cdef Py_ssize_t WAKE_CHECK_EVERY = 8   # tasks between two clock reads
 

@@ -11,11 +11,11 @@ cdef class Hub:
     (``cancel_cb``, the reactor's). Every ``early`` requests queued while a flush is
     scheduled are handed over at once (submit_batch): tasks woken by a burst
     of completions queue their next reads one by one, and the device restarts
-    after a few task steps instead of after all of them (bench/gather_cpu.py,
-    64 coroutines doing 4 KiB reads on a virtio disk: 56k -> 70-77k IOPS;
-    groups of 4 rather than 12 gave another ~5%, at the same CPU per read on
-    uvloop. Each call is a VM exit there, and the host starts on a group only
-    when it arrives). Requests that finished during such
+    after a few task steps instead of after all of them (64 coroutines doing
+    4 KiB reads: 56k -> 70-77k IOPS here; groups of 4 rather than 12 gave
+    another ~5%, at the same CPU per read on uvloop: 1.05x over 40 paired
+    rounds, bench/JOURNAL.md. Each call is a VM exit on a virtio disk, and the
+    host starts on a group only when it arrives). Requests that finished during such
     an early flush wait in ``held`` for the scheduled one to deliver them.
 
     ``hub_transfer`` (from a File's Route) is File.pread/pwrite's whole path

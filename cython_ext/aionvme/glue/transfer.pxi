@@ -14,8 +14,9 @@
 # make go to the kernel in the flush that follows at once. Callbacks added
 # after completion, and every delivery made from elsewhere (a task calling
 # flush_now, the reactor closing), go through call_soon as asyncio's do.
-# Counted with callgrind over bench/gather_cpu.py's pattern (uvloop), per
-# 4 KiB read: 9.96k instructions with an exact Future inside, 8.31k without.
+# Counted with callgrind (bench/probes/gather_cpu.py's pattern, uvloop), per 4 KiB
+# read: 9.96k instructions with an exact Future inside, 8.31k without
+# (bench/JOURNAL.md, 2026-12-02).
 #
 # A Task awaiting a Transfer waits on the Transfer itself (asyncio's protocol
 # for future-likes: _asyncio_future_blocking, get_loop, add_done_callback), so

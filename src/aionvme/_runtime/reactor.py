@@ -204,7 +204,7 @@ class Reactor:
         # with the tasks it wakes: they run inside it), in ns: how long
         # aionvme held the loop at most. Costs two clock reads per wakeup,
         # where a timer that watches the loop from outside wakes it every
-        # interval.
+        # interval (bench/README.md, twelfth round).
         self.longest_ns = 0
         loop.add_reader(self._fd, self._pump)
 
