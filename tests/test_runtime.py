@@ -562,3 +562,39 @@ def test_a_files_route_follows_the_defaults(tmp_path):
         assert route.current_params() == base
     with nvme.open(path) as g, nvme.defaults.set(block_size="8k"):
         assert g._params()[0] == 8192
+
+
+def test_every_entrance_takes_the_one_dispatch(tmp_path, monkeypatch):
+    # Path calls, File, Handle, async and blocking: one function builds every
+    # request, the driver (the loop's reactor, or this thread) a parameter.
+    # File.pread's common case is in C; its long way (here: a closed File) is
+    # the dispatch too.
+    from aionvme._runtime import transfer
+
+    seen = []
+    real = transfer.dispatch
+
+    def spy(driver, ctx, op, *args):
+        seen.append(driver)
+        return real(driver, ctx, op, *args)
+
+    monkeypatch.setattr(transfer, "dispatch", spy)
+    path = tmp_path / "f"
+    path.write_bytes(bytes(range(256)) * 32)
+    buf = nvme.empty(4096)
+    with nvme.open(path, "r+") as f, nvme.Handle() as h:
+        assert f.sync_pread(buf, 0) == 4096 and f.sync_pwrite(buf, 4096) == 4096
+        assert h.sync_pread(buf, path) == 4096
+
+        async def main() -> None:
+            assert await nvme.pread(buf, path, 4096) == 4096
+            assert await f.pread_many([(buf, 0)]) == 4096
+            assert await h.pread(buf, path) == 4096
+            closed = nvme.open(path)
+            closed.close()
+            with pytest.raises(nvme.ClosedFileError):
+                await closed.pread(buf, 0)
+
+        asyncio.run(main())
+    assert seen == [transfer.BLOCKING] * 3 + [transfer.ON_LOOP] * 4
+    assert bytes(buf) == bytes(range(256)) * 16
