@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import aionvme  # builds/imports the engine before tests are collected
-from aionvme import _engine
+import aionvme._engine as _engine
 from aionvme._runtime import reactor as _reactor
 
 try:

@@ -653,3 +653,39 @@ def test_install_without_deepspeed_says_so(tmp_path):
         tmp_path,
     )
     assert "deepspeed is not importable" in out
+
+
+def _reports_cuda(t: torch.Tensor) -> torch.Tensor:
+    """t (host memory) as a tensor that says it lives on a CUDA device: what
+    DeepSpeed hands the handle for GPU memory, as far as a machine without a
+    GPU can show it."""
+
+    class _Cuda(torch.Tensor):
+        @property
+        def is_cuda(self) -> bool:
+            return True
+
+        @property
+        def device(self) -> torch.device:
+            return torch.device("cuda", 0)
+
+    return t.as_subclass(_Cuda)
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CUDA is available: test_gpu.py moves real CUDA tensors"
+)
+def test_cuda_tensors_take_aionvmes_gpu_path(h, tmp_path):
+    # Not a host staging copy of the handle's own: the tensor reaches aionvme's
+    # GPU path, which here (no CUDA) says so, for async, blocking and the
+    # non-contiguous (staged on its own device) alike.
+    path = _file(tmp_path / "g.bin", torch.arange(4096, dtype=torch.uint8))
+    gpu_tensor = _reports_cuda(torch.zeros(4096, dtype=torch.uint8))
+    assert h.async_pread(gpu_tensor, path) == 0
+    with pytest.raises(nvme.DeviceError, match="CUDA tensor transfer"):
+        h.wait()
+    with pytest.raises(nvme.DeviceError, match="CUDA tensor transfer"):
+        h.read(gpu_tensor, path, False)
+    with pytest.raises(nvme.DeviceError, match="CUDA tensor transfer"):
+        h.sync_pwrite(gpu_tensor, path)
+    assert torch.equal(torch.from_numpy(np.fromfile(path, np.uint8)), torch.arange(4096, dtype=torch.uint8))

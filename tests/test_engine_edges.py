@@ -127,7 +127,7 @@ def test_an_abandoned_handle_never_closes_a_reused_fd_number(small, tmp_path):
     # file, closing it would pull the file out from under its owner.
     import gc
 
-    from aionvme import _engine
+    import aionvme._engine as _engine
 
     path, _ = small
     fd = os.open(path, os.O_RDONLY)
@@ -154,7 +154,7 @@ def test_an_abandoned_handle_never_closes_a_reused_fd_number(small, tmp_path):
 
 def test_misaligned_einval_on_a_real_file_keeps_its_errno(small):
     # EINVAL from a file that is still open is not blamed on a lost fd.
-    from aionvme import _engine
+    import aionvme._engine as _engine
 
     path, _ = small
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)

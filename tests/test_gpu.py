@@ -17,6 +17,7 @@ import pytest
 
 import aionvme as nvme
 from aionvme import defaults, gpu
+from aionvme._runtime import pinned
 from aionvme.exceptions import NonContiguousBufferError, ShortReadError
 
 torch = pytest.importorskip("torch")
@@ -253,7 +254,7 @@ def test_pinned_empty():
 
 
 def test_bounce_pool_is_pinned_and_bounded():
-    p = gpu.pool()
+    p = pinned.pool()
     assert p.pinned, p.why_not_pinned
     assert p.nslots >= 2 and p.slot_size == defaults.get("gpu_block_size")
 
@@ -297,3 +298,21 @@ async def test_second_device(way, data_file):
     t = torch.empty(3 * MiB + 1, dtype=torch.uint8, device="cuda:1")
     await nvme.pread(t, path, 4095)
     assert np.array_equal(t.cpu().numpy(), data[4095 : 4095 + 3 * MiB + 1])
+
+
+def test_deepspeed_handle_moves_cuda_tensors_on_aionvmes_gpu_path(way, data_file, tmp_path):
+    from aionvme.compat import deepspeed as ds
+
+    path, data = data_file
+    h = ds.aio_handle(block_size=1 << 20, queue_depth=8)
+    try:
+        t = torch.empty(3 * MiB + 4097, dtype=torch.uint8, device="cuda")
+        before = gpu.stats()
+        assert h.sync_pread(t, path, 4096) == 1
+        assert np.array_equal(t.cpu().numpy(), data[4096 : 4096 + t.numel()])
+        out = str(tmp_path / "out.bin")
+        assert h.async_pwrite(t, out) == 0 and h.wait() == 1
+        assert np.array_equal(np.fromfile(out, np.uint8), data[4096 : 4096 + t.numel()])
+        assert _used(before, way)
+    finally:
+        h.handle.close()

@@ -37,8 +37,9 @@ import numpy as np
 import pytest
 
 import aionvme as nvme
-from aionvme import _engine, defaults, gpu
-from aionvme._runtime import cuda, cufile
+import aionvme._engine as _engine
+from aionvme import defaults, gpu
+from aionvme._runtime import bounce, cuda, cufile, pinned
 from aionvme._runtime.reactor import get_reactor
 from aionvme.exceptions import CUFILE_ERRORS, CuFileError, DeviceError, ShortReadError, cufile_error
 
@@ -168,7 +169,7 @@ def test_cufile_unavailable_gives_the_reason_and_the_bounce_path(no_cufile, monk
 
 
 def _real_libcufile() -> str | None:
-    for cand in gpu.library_candidates():
+    for cand in cufile.library_candidates():
         if os.sep in cand and os.path.exists(cand):
             return cand
     return None
@@ -181,7 +182,7 @@ def test_real_libcufile_loads_with_every_entry_point(tmp_path):
     # In a child, so this process's loader state stays clean.
     r = _py(
         f"""
-        from aionvme import _engine
+        import aionvme._engine as _engine
         path, why = _engine.gds_load([{lib!r}])
         st = _engine.gds_status()
         print(path == {lib!r}, why, st["loaded"], st["version"])
@@ -199,7 +200,7 @@ def test_no_gpu_driver_means_no_driver_open(tmp_path, monkeypatch, no_cufile):
     lib = _real_libcufile()
     if lib is None:
         pytest.skip("no libcufile.so.0 here (pip install nvidia-cufile)")
-    if gpu.nvidia_driver_present():
+    if cufile.nvidia_driver_present():
         pytest.skip("an NVIDIA driver is present")
     monkeypatch.delenv("AIONVME_CUFILE_LIBRARY", raising=False)
     monkeypatch.setattr(cufile, "library_candidates", lambda: [lib])
@@ -315,7 +316,8 @@ def test_stdin_survives_a_driver_that_closes_it(shim_library, tmp_path):
     r = _py(
         """
         import os
-        from aionvme import _engine, gpu
+        import aionvme._engine as _engine
+        from aionvme import gpu
         before = os.fstat(0)
         st = gpu.cufile_status()
         after = os.fstat(0)
@@ -536,7 +538,7 @@ def test_plan_pieces_cover_each_byte_once_at_aligned_boundaries(align):
         (1, slot - 1),
         (0, 5),
     ]
-    pieces = gpu.plan_pieces(items, slot, align)
+    pieces = bounce.plan_pieces(items, slot, align)
     for i, (n, off) in enumerate(items):
         mine = [p for p in pieces if p.item == i]
         covered = np.zeros(n, dtype=np.int32)
@@ -551,7 +553,7 @@ def test_plan_pieces_cover_each_byte_once_at_aligned_boundaries(align):
 
 
 def _pool(nslots=3, slot=4096):
-    return gpu.PinnedPool(slot, nslots, None)
+    return pinned.PinnedPool(slot, nslots, None)
 
 
 def test_pool_slots_are_page_aligned_views_of_one_buffer():

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import aionvme as nvme
-from aionvme import _engine
+import aionvme._engine as _engine
 from aionvme._runtime import reactor as _reactor
 
 pytestmark = pytest.mark.skipif(

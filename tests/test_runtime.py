@@ -64,7 +64,7 @@ async def test_wakeups_past_the_time_budget_are_left_to_the_loop(make_file, monk
     # budget is spent; the rest go through the loop, in order. With no budget
     # at all, at most 8 (one clock check's worth) run inside any one pump,
     # and every read still lands in its own buffer.
-    from aionvme import _engine
+    import aionvme._engine as _engine
 
     path, data = make_file(64 * 4096)
     inside: list[int] = []  # tasks resumed inside each pump
@@ -541,3 +541,60 @@ async def test_chunks_larger_than_the_kernel_transfer_limit(tmp_path):
     assert await nvme.pread(buf, str(path), block_size="4G") == size
     assert bytes(buf[-8:]) == b"the end." and not buf[: 1 << 20].any()
     del buf
+
+
+def test_a_files_route_follows_the_defaults(tmp_path):
+    # The C side of File.pread/pwrite reads its parameters from the File's
+    # Route (built at open), which follows defaults.set() and its undoing
+    # without the engine reading the defaults module or the File's fields.
+    from aionvme._engine import Route
+
+    path = tmp_path / "f"
+    path.write_bytes(b"\0" * 8192)
+    with nvme.open(path, block_size="64k") as f:
+        route = f._route
+        assert isinstance(route, Route) and route.handle is f._handle()
+        assert route.block_size == 64 << 10 and route.parallelism is None
+        base = route.current_params()
+        assert base[0] == 64 << 10
+        with nvme.defaults.set(max_inflight=3):
+            assert route.current_params() == (64 << 10, 3, base[2])
+        assert route.current_params() == base
+    with nvme.open(path) as g, nvme.defaults.set(block_size="8k"):
+        assert g._params()[0] == 8192
+
+
+def test_every_entrance_takes_the_one_dispatch(tmp_path, monkeypatch):
+    # Path calls, File, Handle, async and blocking: one function builds every
+    # request, the driver (the loop's reactor, or this thread) a parameter.
+    # File.pread's common case is in C; its long way (here: a closed File) is
+    # the dispatch too.
+    from aionvme._runtime import transfer
+
+    seen = []
+    real = transfer.dispatch
+
+    def spy(driver, ctx, op, *args):
+        seen.append(driver)
+        return real(driver, ctx, op, *args)
+
+    monkeypatch.setattr(transfer, "dispatch", spy)
+    path = tmp_path / "f"
+    path.write_bytes(bytes(range(256)) * 32)
+    buf = nvme.empty(4096)
+    with nvme.open(path, "r+") as f, nvme.Handle() as h:
+        assert f.sync_pread(buf, 0) == 4096 and f.sync_pwrite(buf, 4096) == 4096
+        assert h.sync_pread(buf, path) == 4096
+
+        async def main() -> None:
+            assert await nvme.pread(buf, path, 4096) == 4096
+            assert await f.pread_many([(buf, 0)]) == 4096
+            assert await h.pread(buf, path) == 4096
+            closed = nvme.open(path)
+            closed.close()
+            with pytest.raises(nvme.ClosedFileError):
+                await closed.pread(buf, 0)
+
+        asyncio.run(main())
+    assert seen == [transfer.BLOCKING] * 3 + [transfer.ON_LOOP] * 4
+    assert bytes(buf) == bytes(range(256)) * 16

@@ -1,9 +1,17 @@
 """The layers stay visible: imports point down, no circles, no reach-ins.
 
-Every module under src/aionvme is parsed with ``ast`` (nothing is imported):
+Every module under src/aionvme is parsed with ``ast`` (nothing is imported),
+and every part of the Cython engine (cython_ext/**/*.pyx, .pxi, .pxd) is read
+for its ``import``/``cimport``/``from ... import`` lines:
 
 - module-level imports between aionvme's modules form no cycle;
 - the library never imports ``aionvme.cli`` or the top-level ``bench/`` scripts;
+- the engine (its asyncio glue included) imports only C declarations
+  (``cimport``), the standard library without asyncio, and the leaf
+  ``aionvme.exceptions``: never the runtime or the public layer;
+- the engine is imported by its own name (``from .._engine import X``), never
+  as an attribute of its package (``from .. import _engine``, which reads as
+  an import of the package's ``__init__``);
 - outside the private runtime package (``aionvme._runtime``, whose modules
   share their internals), no module uses another module's underscore names:
   ``from .x import _y`` or ``x._y`` where ``_y`` is not itself a module.
@@ -12,12 +20,14 @@ Every module under src/aionvme is parsed with ``ast`` (nothing is imported):
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 PKG = SRC / "aionvme"
+CYTHON = SRC.parent / "cython_ext"
 
 # Modules allowed to break a rule for a while (module -> rules), e.g. during a
 # move. An entry whose module is clean fails the test, so the list only shrinks.
@@ -257,4 +267,102 @@ def test_only_the_runtime_builds_engine_requests():
                 bad.append(f"{where}: gds_submit")
             if isinstance(n, ast.ImportFrom) and any(a.name in ("Request", "Engine") for a in n.names):
                 bad.append(f"{where}: imports the engine's Request/Engine")
+    assert bad == []
+
+
+# -- the Cython engine ---------------------------------------------------------------------
+
+# What the engine may import beside C declarations and the standard library:
+# the leaf every layer imports (DESIGN.md: the engine never imports asyncio,
+# and nothing above it).
+ENGINE_MAY_IMPORT = {"aionvme.exceptions", "aionvme._engine"}
+# C-level modules: Cython's own declarations and the engine's includes.
+C_DECLARATIONS = ("cython", "cpython", "libc", "libcpp", "posix", "aionvme.includes")
+
+
+def _source_imports(text: str) -> list[tuple[str, int]]:
+    """(imported module, line) of each import/cimport statement in Cython
+    source; strings (docstrings, verbatim C) and comments are skipped."""
+    text = re.sub(r'("""|\'\'\')[\s\S]*?\1', lambda m: "\n" * m.group(0).count("\n"), text)
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        stmt = line.split("#", 1)[0].strip()
+        m = re.match(r"from\s+([\w.]+)\s+c?import\b", stmt)
+        if m:
+            out.append((m.group(1), n))
+            continue
+        m = re.match(r"c?import\s+([\w.]+(?:\s+as\s+\w+)?(?:\s*,\s*[\w.]+(?:\s+as\s+\w+)?)*)\s*$", stmt)
+        if m:
+            out.extend((part.split()[0], n) for part in m.group(1).split(","))
+    return out
+
+
+def _engine_import_violations(imports: list[tuple[str, str, int]]) -> list[str]:
+    bad = []
+    for where, target, line in imports:
+        top = target.split(".")[0]
+        if any(target == c or target.startswith(c + ".") for c in C_DECLARATIONS):
+            continue
+        if top == "asyncio":
+            bad.append(f"{where}:{line} imports {target}: the engine never imports asyncio")
+        elif top == "aionvme" and target not in ENGINE_MAY_IMPORT:
+            bad.append(f"{where}:{line} imports {target}: the engine imports nothing above it")
+    return bad
+
+
+def _cython_imports() -> list[tuple[str, str, int]]:
+    out = []
+    for path in sorted(CYTHON.rglob("*")):
+        if path.suffix in (".pyx", ".pxi", ".pxd"):
+            where = str(path.relative_to(CYTHON.parent))
+            out.extend((where, target, line) for target, line in _source_imports(path.read_text()))
+    return out
+
+
+def test_engine_imports_point_down():
+    imports = _cython_imports()
+    # the reader sees the engine's imports at all (cimports and Python imports)
+    assert {"libc.stdint", "aionvme.includes.linux", "os", "aionvme.exceptions"} <= {t for _, t, _ in imports}
+    assert _engine_import_violations(imports) == []
+
+
+def test_engine_import_checker_finds_violations():
+    src = """
+cimport cython
+from libc.stdint cimport int64_t
+import os, sys as _sys
+\"\"\"import asyncio (a docstring)\"\"\"
+# from aionvme import file (a comment)
+import asyncio
+from aionvme._runtime import reactor
+from aionvme import exceptions
+from aionvme.includes.linux cimport *
+"""
+    found = _source_imports(src)
+    assert [t for t, _ in found] == [
+        "cython",
+        "libc.stdint",
+        "os",
+        "sys",
+        "asyncio",
+        "aionvme._runtime",
+        "aionvme",
+        "aionvme.includes.linux",
+    ]
+    bad = _engine_import_violations([("x.pyx", t, n) for t, n in found])
+    assert [b.split()[2] for b in bad] == ["asyncio:", "aionvme._runtime:", "aionvme:"]
+
+
+def test_the_engine_is_imported_by_its_own_name():
+    # ``from .. import _engine`` (or ``from aionvme import _engine``) names the
+    # package: drawn as an import of its __init__, an arrow back up.
+    bad = []
+    for mod, tree in _trees().items():
+        for n in ast.walk(tree):
+            if (
+                isinstance(n, ast.ImportFrom)
+                and _resolve(mod, n) == "aionvme"
+                and any(a.name == "_engine" for a in n.names)
+            ):
+                bad.append(f"{MODULES[mod].relative_to(SRC)}:{n.lineno}")
     assert bad == []

@@ -306,20 +306,74 @@ cdef class Engine:
     cdef void _lock_held(self) noexcept
     cdef void _unlock(self) noexcept nogil
     cdef void _pump_c(self, bint reap) noexcept nogil
-    cdef void _stop_refill(self) noexcept
     cdef int _enqueue(self, Request req) except -1
-    cdef int _setup_uring(self, int submit_ramp, bint direct) except -1
     cdef void _finish(self, ReqC *r) noexcept nogil
-    cdef void _queue_iocb(self, Chunk *ch) noexcept nogil
     cdef void _reaped_aio(self, Chunk *ch, int64_t res) noexcept nogil
     cdef void _stop_generating(self, ReqC *r) noexcept nogil
     cdef void _wait_efd(self, int ms) noexcept nogil
     cdef void _teardown(self) noexcept
-    cdef void _complete_chunk(self, Chunk *ch) noexcept nogil
-    cdef int _gen_chunk(self, ReqC *r, Chunk *ch) noexcept nogil
     cdef void _generate(self) noexcept nogil
     cdef void _submit(self) noexcept nogil
     cdef void _reap(self) noexcept nogil
     cdef void _reap_events(self) noexcept nogil
-    cdef void _adapt(self) noexcept nogil
     cdef list _collect(self)
+
+
+# -- the asyncio glue (glue/*.pxi) ------------------------------------------------
+
+cdef class Hub
+
+cdef class Transfer:
+    cdef object loop
+    cdef Hub hub                  # the Hub that queued it: cancelling goes through it
+    cdef public Request req       # the request, until the reactor delivered it
+    cdef object value             # the byte count (ok) or the exception (failed)
+    cdef object tb                # the exception's traceback when it was set
+    cdef object cancel_message
+    cdef object thrown            # an exception thrown into the await, raised once drained
+    cdef object cb0               # the first done callback (a waiting Task's wakeup) ...
+    cdef object ctx0              # ... and the context it runs in
+    cdef list cbs                 # further (callback, context) pairs, in order
+    cdef readonly bint finished   # delivered by the reactor: done
+    cdef char state
+    cdef bint blocking            # _asyncio_future_blocking
+    cdef bint log_exc             # failed, and nobody asked for the exception yet
+
+    cdef object _step(self)
+    cdef object _result(self)
+    cdef object _cancelled_error(self)
+    cdef int _stop(self) except -1
+    cdef int _settle(self, Request req, object closed_error) except -1
+    cdef int _fail(self, object exc) except -1
+    cdef int _schedule_callbacks(self) except -1
+
+
+cdef class Hub:
+    cdef readonly Engine engine
+    cdef object loop
+    cdef object get_loop          # a callable returning loop (Transfer.get_loop): _LoopRef(loop).get
+    cdef object call_soon
+    cdef object flush_cb
+    cdef object cancel_cb         # the reactor's: stop a request, pump soon
+    cdef public list held         # finished during an early flush, not delivered yet
+    cdef public bint scheduled    # a flush is scheduled on the loop
+    cdef int64_t queued
+    cdef int64_t early
+    cdef readonly bint live       # False once retired (its reactor closed, or a forked child)
+
+    cdef Transfer _queued(self, Request req)
+    cdef Transfer _submit_new(self, Request req)
+
+
+cdef class Route:
+    cdef readonly FileHandle handle   # the File's engine handle
+    cdef readonly object block_size   # the File's knobs (None: the defaults')
+    cdef readonly object parallelism
+    cdef tuple params                 # (block, max_inflight, mode) for settings generation gen
+    cdef int64_t gen                  # -1: not computed yet
+
+    cdef tuple _params(self)
+
+
+cdef class Routed:
+    cdef public Route _route          # set by the runtime at open; None before (or if it failed)

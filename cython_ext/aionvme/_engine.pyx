@@ -23,24 +23,30 @@ from aionvme.includes.cufile cimport *
 from aionvme.includes.dlfcn cimport *
 from aionvme.includes.linux cimport *
 from aionvme.includes.pthread cimport *
+from aionvme.includes.pyglue cimport *
 from aionvme.includes.uring cimport *
 
 import os
 import sys
 from operator import index as _index
 
-from aionvme import exceptions as _exc
+import aionvme.exceptions as _exc
 
 # The parts, in dependency order: counters (leak counters, the debug build),
-# errors (errno -> OSError subclass), buffers
-# (caller buffers, AlignedBuffer), workers (the C worker pool and its jobs),
-# kernel_aio (io_submit, inline or on the submitter thread), uring (io_uring
-# submission through the same chunks), planning (cutting
-# a segment into aligned transfers), requests (Inode, FileHandle, Request),
-# engine (Engine: chunk slots, generate/submit/reap), awaitable (Transfer: what
-# an async call returns; the Future type comes from the reactor), gds (cuFile by dlopen),
-# probes (statx/statfs/io_setup for the Python layer), fork (locks a forked
-# child re-initialises).
+# errors (errno -> OSError subclass), buffers (caller buffers, AlignedBuffer),
+# workers (the C worker pool and its jobs), kernel_aio (io_submit, inline or on
+# the submitter thread, and the engine's AIO context: setup, submit, reap),
+# uring (the same for io_uring), planning (cutting a segment into aligned
+# transfers), requests (Inode, FileHandle, Request), bounce (a chunk slot's
+# bounce buffer), adaptive (the window of blocking calls' engines), chunks (a
+# chunk cut from its request, its result folded back), engine (Engine: the
+# story of a request, and its Python API), refill (the refill thread); then
+# the asyncio glue, a part of its own under glue/ (it never imports asyncio
+# either: the reactor binds the few names it needs): transfer (Transfer, what
+# an async call returns), delivery (resolving Transfers, waking their tasks),
+# hub (a reactor's submitting half, and the Route of an open File); gds
+# (cuFile by dlopen), probes (statx/statfs/io_setup for the Python layer), fork
+# (locks a forked child re-initialises).
 include "counters.pxi"
 include "errors.pxi"
 include "buffers.pxi"
@@ -49,8 +55,14 @@ include "kernel_aio.pxi"
 include "uring.pxi"
 include "planning.pxi"
 include "requests.pxi"
+include "bounce.pxi"
+include "adaptive.pxi"
+include "chunks.pxi"
 include "engine.pxi"
-include "awaitable.pxi"
+include "refill.pxi"
+include "glue/transfer.pxi"
+include "glue/delivery.pxi"
+include "glue/hub.pxi"
 include "gds.pxi"
 include "probes.pxi"
 include "fork.pxi"

@@ -51,3 +51,33 @@ def counters():
                    chunks_completed=aionvme_atomic_load(&_dbg_completed),
                    checks_failed=aionvme_atomic_load(&_dbg_failed))
     return out
+
+
+cdef dict _engine_stats(Engine e):
+    cdef Submitter *sub = e.sub
+    cdef RingCounters *rc = &e.ringc
+    cdef int32_t i
+    cdef int64_t bounce_live = 0
+    if e.chunks != NULL:
+        for i in range(e.queue_depth):
+            bounce_live += e.chunks[i].bounce != NULL
+    return dict(submit_calls=(aionvme_atomic_load(&sub.n_calls) if sub != NULL else 0) + rc.n_calls,
+                submitted=(aionvme_atomic_load(&sub.n_submitted) if sub != NULL else 0) + rc.n_submitted,
+                eagain=(aionvme_atomic_load(&sub.n_eagain) if sub != NULL else 0) + rc.n_eagain,
+                ring_submit_calls=rc.n_calls, ring_submitted=rc.n_submitted,
+                inline_submits=e.n_inline_submits, thread_submits=e.n_thread_submits,
+                inflight_bytes=e.inflight_bytes, max_inflight_bytes=e.max_inflight_bytes,
+                adaptive=bool(e.adaptive), window_bytes=e.win if e.win else e.win_kept,
+                completed=e.n_completed, thread_jobs=e.n_thread_jobs,
+                requests=e.n_requests, live_requests=e.n_live_requests,
+                inflight=e.queue_depth - e.nfree, bounce_buffers=e.n_bounce_buffers,
+                ring_reaps=e.n_ring_reaps, use_aio=e.use_aio, use_uring=e.use_uring,
+                uring_direct=e.uring_direct, uring_lazy=e.uring_lazy, backlog=e.backlog,
+                backend=e.backend,
+                more=bool(e.more), submit_budget=e.submit_budget,
+                submit_ramp=sub.ramp if sub != NULL else rc.ramp,
+                ring_reap=e.ring_reap, threads=e.threads_started,
+                refill_thread=bool(e.refill_thread), refill_wakeups=e.n_refill_wakeups,
+                owner_wakeups=e.n_owner_wakeups,
+                bounce_live=bounce_live,
+                closed=bool(e.closed))

@@ -166,3 +166,179 @@ cdef void _submitter_free(Submitter *s, bint forked) noexcept nogil:
     free(s.q)
     free(s.work)
     free(s)
+
+
+# -- the engine's kernel AIO backend ----------------------------------------------------
+#
+# One AIO context per engine (io_setup with queue_depth events); chunks become
+# iocbs that signal the engine's eventfd (IOCB_FLAG_RESFD); completions are read
+# from the context's mmapped ring (struct aio_ring, fs/aio.c) when its layout
+# is the one we know, else with io_getevents.
+
+cdef int _aio_setup(Engine e, unsigned nr, int submit_ramp, bint ring_reap) except -1:
+    """The engine's kernel AIO context of nr events, and its submitter; where
+    io_setup fails, aio_error says why and the worker pool serves everything."""
+    cdef long rc
+    cdef aionvme_aio_ring *ring
+    e.ctx = 0
+    with nogil:
+        rc = syscall(SYS_io_setup, nr, &e.ctx)
+    if rc < 0:
+        # ENOSYS (no CONFIG_AIO, gVisor), EPERM (seccomp), EAGAIN
+        # (fs.aio-max-nr exhausted)
+        e.aio_error = _os_error(errno, None, None, None, "io_setup")
+        e.ctx = 0
+        return 0
+    e.sub = _submitter_new(e.ctx, e.pool, e.queue_depth)
+    if e.sub == NULL:
+        syscall(SYS_io_destroy, e.ctx)
+        e.ctx = 0
+        raise MemoryError()
+    e.sub.ramp = submit_ramp if submit_ramp > 0 else 0
+    e.use_aio = True
+    ring = <aionvme_aio_ring *>e.ctx
+    e.ring_reap = ring_reap and ring.magic == AIONVME_AIO_RING_MAGIC and ring.incompat_features == 0
+    return 0
+
+
+cdef void _queue_iocb(Engine e, Chunk *ch) noexcept nogil:
+    ch.single = (ch.req.flags & RF_SINGLE_SUBMIT) != 0
+    memset(&ch.cb, 0, sizeof(iocb))
+    ch.cb.aio_data = <uint64_t>(ch - e.chunks)
+    ch.cb.aio_lio_opcode = IOCB_CMD_PREAD if ch.op == CH_READ else IOCB_CMD_PWRITE
+    ch.cb.aio_fildes = ch.fd
+    ch.cb.aio_buf = <uint64_t><uintptr_t>ch.buf
+    ch.cb.aio_nbytes = <uint64_t>ch.len
+    ch.cb.aio_offset = ch.foff
+    ch.cb.aio_flags = IOCB_FLAG_RESFD
+    ch.cb.aio_resfd = e.efd
+    if ch.ring:
+        if ch.req.path == PATH_THREAD:
+            # A buffered file: only what completes without waiting (a
+            # page-cache hit) is done by the ring; EAGAIN hands the chunk
+            # to a worker (_reaped_aio). Without RWF_NOWAIT io_uring would
+            # park a read of a file that turned non-blocking (an fd number
+            # reused behind our back) on a poll that may never fire.
+            ch.cb.aio_rw_flags = AIONVME_RWF_NOWAIT
+        e.ringq[e.n_ringq] = &ch.cb
+        e.n_ringq += 1
+        return
+    e.iocbs[e.n_iocbs] = &ch.cb
+    e.n_iocbs += 1
+    e.iocb_bytes += ch.len
+    if ch.op != CH_READ:
+        e.iocb_writes = True
+
+
+cdef void _aio_submit_queued(Engine e) noexcept nogil:
+    """The iocbs queued since the last pump, to io_submit: inline, or on the
+    submitter thread (writes, big batches), which may block in our stead."""
+    cdef int32_t done, k
+    cdef bint inline
+    cdef int fd
+    if e.refill_thread:
+        # Requests still wait for slots: these completions wake the
+        # refill thread, which submits their chunks. Otherwise (every
+        # request wholly in flight: single reads, the last chunks of a
+        # batch) they wake the owner, who has to run anyway.
+        fd = e.tfd if e.pend_head != NULL else e.efd
+        for k in range(e.n_iocbs):
+            e.iocbs[k].aio_resfd = fd
+    inline = (not e.iocb_writes and e.iocb_bytes <= e.inline_submit_max
+              and _submitter_idle(e.sub))
+    if not inline and not _submitter_take(e.sub, e.iocbs, e.n_iocbs):
+        inline = True
+    if inline:
+        done = _aio_submit(e.sub, e.iocbs, e.n_iocbs, False)
+        e.n_inline_submits += 1
+        k = e.n_iocbs - done
+        if k > 0 and done > 0:
+            memmove(e.iocbs, &e.iocbs[done], k * sizeof(iocb *))
+        e.n_iocbs = k   # what the full context refused waits for the next pump
+    else:
+        e.n_thread_submits += 1
+        e.n_iocbs = 0
+    if e.n_iocbs == 0:
+        e.iocb_bytes = 0
+        e.iocb_writes = False
+
+
+cdef void _aio_reap(Engine e) noexcept nogil:
+    """Every completion of the AIO context there is (from its mmapped ring,
+    or by io_getevents), each chunk to Engine._reaped_aio."""
+    cdef long rc
+    cdef int32_t i, n
+    cdef timespec zero
+    cdef aionvme_aio_ring *ring
+    cdef io_event *evs
+    cdef unsigned head, tail, nr
+    # The ring is checked every time (two loads): gating it on a
+    # counter another thread updates could miss a completion for good.
+    if e.ring_reap:
+        ring = <aionvme_aio_ring *>e.ctx
+        evs = <io_event *>((<char *>ring) + ring.header_length)
+        nr = ring.nr
+        head = ring.head
+        tail = aionvme_load_acquire(&ring.tail)
+        n = 0
+        while head != tail:
+            e.events[n] = evs[head]
+            n += 1
+            head += 1
+            if head >= nr:
+                head = 0
+            if n == e.queue_depth:
+                break
+        aionvme_store_release(&ring.head, head)
+        if n:
+            e.n_ring_reaps += 1
+        aionvme_atomic_add(&e.sub.inflight, -n)
+        for i in range(n):
+            e._reaped_aio(&e.chunks[e.events[i].data], e.events[i].res)
+    else:
+        zero.tv_sec = 0
+        zero.tv_nsec = 0
+        while aionvme_atomic_load(&e.sub.inflight) > 0:
+            rc = syscall(SYS_io_getevents, e.ctx, 0L, <long>e.queue_depth, e.events, &zero)
+            if rc < 0:
+                if errno == EINTR:
+                    continue
+                break
+            aionvme_atomic_add(&e.sub.inflight, -rc)
+            for i in range(rc):
+                e._reaped_aio(&e.chunks[e.events[i].data], e.events[i].res)
+            if rc < e.queue_depth:
+                break
+
+
+cdef void *_io_destroy_main(void *arg) noexcept nogil:
+    syscall(SYS_io_destroy, <aio_context_t>arg)
+    return NULL
+
+
+cdef void _destroy_aio_context(aio_context_t ctx) noexcept nogil:
+    """io_destroy(ctx) on a detached thread: with nothing in flight (close
+    drains first) it only waits for an RCU grace period, ~30 ms here, which
+    every engine close (each asyncio.run(), each Handle with its own engines)
+    paid on the caller's thread. Inline when no thread can be started."""
+    cdef pthread_t t
+    if _start_thread(&t, _io_destroy_main, <void *>ctx) == 0:
+        pthread_detach(t)
+    else:
+        syscall(SYS_io_destroy, ctx)
+
+
+cdef void _aio_release_submitter(Engine e) noexcept:
+    if e.sub != NULL:
+        with nogil:
+            _submitter_free(e.sub, e.abandoned)
+        e.sub = NULL
+
+
+cdef void _aio_release_context(Engine e) noexcept:
+    # after the workers stopped and every chunk was reaped (close drains first)
+    if e.ctx != 0:
+        if not e.abandoned:
+            with nogil:
+                _destroy_aio_context(e.ctx)
+        e.ctx = 0

@@ -447,3 +447,28 @@ cdef Request _new_request(FileHandle f, int op, int nsegs, int64_t block, int ma
         if req.c.segs == NULL or req.views == NULL:
             raise MemoryError()
     return req
+
+
+# The engine's pending and finished lists of requests (doubly linked through ReqC).
+
+cdef inline void _list_append(ReqC **head, ReqC **tail, ReqC *r) noexcept nogil:
+    r.next = NULL
+    r.prev = tail[0]
+    if tail[0] != NULL:
+        tail[0].next = r
+    else:
+        head[0] = r
+    tail[0] = r
+
+
+cdef inline void _list_remove(ReqC **head, ReqC **tail, ReqC *r) noexcept nogil:
+    if r.prev != NULL:
+        r.prev.next = r.next
+    else:
+        head[0] = r.next
+    if r.next != NULL:
+        r.next.prev = r.prev
+    else:
+        tail[0] = r.prev
+    r.next = NULL
+    r.prev = NULL

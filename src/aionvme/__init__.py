@@ -18,6 +18,7 @@ from typing import Any
 
 from . import data, defaults, gpu, offload
 from ._engine import AlignedBuffer
+from ._version import __version__
 from .atomic import atomic_write
 from .exceptions import (
     AionvmeError,
@@ -74,8 +75,6 @@ def info(path: str | None = None, *, init_cuda: bool = False) -> dict[str, Any]:
 
     return _info(path, init_cuda=init_cuda)
 
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AionvmeError",

@@ -39,11 +39,37 @@ def bind_asyncio(
 ) -> None: ...
 def loop_attr(name: str) -> Any: ...
 def hub_transfer(
-    attr: str, file: Any, buf: Any, offset: int, p: tuple[int, int, int], write: bool
+    route: Route, buf: Any, offset: int, p: tuple[int, int, int], write: bool
 ) -> Transfer | None: ...
-def bind_file_pread(
-    defaults_module: Any, reactor_attr: str, long_way: Callable[..., Any], read_op: int
+def bind_routes(
+    reactor_attr: str,
+    params_of: Callable[[Any, Any], tuple[int, int, int]],
+    long_way: Callable[..., Any],
+    read_op: int,
 ) -> None: ...
+def settings_changed() -> None: ...
+
+@disjoint_base
+class Route:
+    """What the C side knows of an open File (built by the runtime at open)."""
+
+    @property
+    def handle(self) -> FileHandle: ...
+    @property
+    def block_size(self) -> int | None: ...
+    @property
+    def parallelism(self) -> int | None: ...
+    def __new__(
+        cls, handle: FileHandle, block_size: int | None = ..., parallelism: int | None = ...
+    ) -> Route: ...
+    def current_params(self) -> tuple[int, int, int]: ...
+
+@disjoint_base
+class Routed:
+    """The base of objects whose calls take a Route (aionvme.File)."""
+
+    _route: Route  # None only before the open finished
+
 def file_pread(self: Any, buf: Any, offset: int = 0) -> Awaitable[int]: ...
 def deliver(
     finished: list[Request], closed_error: Callable[[], BaseException] | None = ..., loop: Any = ...
@@ -176,7 +202,14 @@ class Transfer:
 class Hub:
     held: list[Request]
     scheduled: bool
-    def __new__(cls, engine: Engine, loop: Any, flush_cb: Callable[[], None], early: int) -> Hub: ...
+    def __new__(
+        cls,
+        engine: Engine,
+        loop: Any,
+        flush_cb: Callable[[], None],
+        early: int,
+        cancel_cb: Callable[[Request], None],
+    ) -> Hub: ...
     @property
     def engine(self) -> Engine: ...
     @property

@@ -82,7 +82,7 @@ import os
 import re
 import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from fractions import Fraction
 from typing import Any
@@ -94,6 +94,7 @@ __all__ = [
     "check_call",
     "get",
     "load_config",
+    "on_change",
     "parse_size",
     "positive_int",
     "read_config",
@@ -320,6 +321,21 @@ def get(name: str | None = None) -> Any:
     return getattr(settings, name)
 
 
+_listeners: list[Callable[[], None]] = []
+
+
+def on_change(fn: Callable[[], None]) -> None:
+    """Call fn() (no arguments, quick, never raising) each time the defaults
+    change: set(), its undoing, load_config(). How the runtime keeps what it
+    derived from them (a File's transfer parameters) current."""
+    _listeners.append(fn)
+
+
+def _changed() -> None:
+    for fn in _listeners:
+        fn()
+
+
 class _Restore:
     """What set() returns: already applied; as a context manager, undone on exit."""
 
@@ -333,6 +349,7 @@ class _Restore:
         global settings
         with _lock:
             settings = self._previous
+            _changed()
 
 
 def set(**values: Any) -> _Restore:
@@ -341,6 +358,7 @@ def set(**values: Any) -> _Restore:
     with _lock:
         previous = settings
         settings = replace(settings, **Settings.coerce(**values))
+        _changed()
     return _Restore(previous)
 
 

@@ -22,9 +22,10 @@ from typing import Any
 
 from . import defaults, gpu
 from ._engine import aio_probe, fs_type, fstatx, uring_probe
-from ._runtime.cufile import driver_ready
+from ._runtime.cufile import driver_ready, find_library, library_candidates, nvidia_driver_present
 from ._runtime.opening import fs_name
-from ._runtime.pinned import has_cap_ipc_lock
+from ._runtime.pinned import has_cap_ipc_lock, memlock_budget
+from ._version import __version__
 from .file import File
 from .memory import empty
 
@@ -202,11 +203,11 @@ def cufile(probe: bool = True) -> dict[str, Any]:
     already opened it, the probe runs in a child process (with cuFile's log
     in a temporary file, whose last lines are reported).
     """
-    found = gpu.find_library()
+    found = find_library()
     out: dict[str, Any] = {
         "library": found,
         "available": found is not None,
-        "candidates": gpu.library_candidates(),
+        "candidates": library_candidates(),
         "version": None,
         "mode": None,
         "reason": "libcufile.so.0 not found" if found is None else "not probed",
@@ -221,7 +222,7 @@ def cufile(probe: bool = True) -> dict[str, Any]:
         return out
     if found is None or not probe:
         return out
-    if not os.environ.get("AIONVME_CUFILE_LIBRARY") and not gpu.nvidia_driver_present():
+    if not os.environ.get("AIONVME_CUFILE_LIBRARY") and not nvidia_driver_present():
         out["reason"] = "no NVIDIA GPU driver here (/dev/nvidiactl and /proc/driver/nvidia are absent)"
         return out
     out.update(_probe_cufile())
@@ -238,7 +239,7 @@ def _probe_cufile(timeout: float = 120.0) -> dict[str, Any]:
         env = dict(os.environ)
         env["PYTHONPATH"] = pkg_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env.setdefault("CUFILE_LOGFILE_PATH", log)
-        code = f"from aionvme.gpu import probe_main; probe_main({result!r})"
+        code = f"from aionvme._runtime.cufile import probe_main; probe_main({result!r})"
         try:
             r = subprocess.run(
                 [sys.executable, "-c", code], env=env, cwd=d, capture_output=True, text=True, timeout=timeout
@@ -337,14 +338,12 @@ def _proc_gpu_models() -> list[str]:
 def _gpu_transfers() -> dict[str, Any]:
     """This process's CUDA tensor transfers: counters, files cuFile refused, the pinned pool."""
     st = gpu.stats()
-    st["memlock_budget"] = gpu.memlock_budget()
+    st["memlock_budget"] = memlock_budget()
     st["gpu_path"] = defaults.settings.gpu_path
     return st
 
 
 def versions() -> dict[str, str | None]:
-    from . import __version__
-
     return {
         "aionvme": __version__,
         "python": platform.python_version(),

@@ -15,15 +15,13 @@ from collections.abc import Awaitable, Iterable
 from typing import Any
 
 from . import defaults
-from ._engine import bind_file_pread, file_pread, hub_transfer
+from ._engine import Route, file_pread, hub_transfer
 from ._runtime import scatter, transfer
 from ._runtime.blocking import thread_engine
 from ._runtime.opening import FS_NAMES, FileBase, OpenInfo, PathLike, open_handle, parse_mode
-from ._runtime.reactor import REACTOR_ATTR, failed, get_reactor
+from ._runtime.reactor import failed, get_reactor
 from ._runtime.transfer import FDATASYNC, FSYNC, READ, READROWS, READV, WRITE, WRITEROWS, WRITEV
 from .exceptions import os_error
-
-bind_file_pread(defaults, REACTOR_ATTR, transfer.submit_file, READ)
 
 __all__ = [
     "FS_NAMES",
@@ -88,8 +86,8 @@ class File(FileBase):
         flags, readable, writable = parse_mode(mode)
         self.mode = mode
         self.block_size, self.parallelism = defaults.check_call(block_size, parallelism)
-        self._p: tuple[object, transfer.Params] = (None, (0, 0, 0))
         self._h, self.info = open_handle(path, flags, readable, writable, direct, owner=self)
+        self._route = Route(self._h, self.block_size, self.parallelism)
         self.path = self._h.path
 
     # -- state -------------------------------------------------------------------
@@ -121,11 +119,7 @@ class File(FileBase):
         """(chunk size, chunks in flight per request, engine mode bits) for a
         call: this File's knobs, the rest from the defaults (followed when
         defaults.set() replaces them after the open)."""
-        cached_for, p = self._p
-        if cached_for is not defaults.settings:
-            p = transfer.params(self.block_size, self.parallelism)
-            self._p = (defaults.settings, p)
-        return p
+        return self._route.current_params()
 
     def __repr__(self) -> str:
         state = (
@@ -138,18 +132,18 @@ class File(FileBase):
     # -- async I/O -----------------------------------------------------------------
 
     # pread(buf, offset=0) -> Awaitable[int]: fill all of buf from offset. In C
-    # (the hot path of random reads): hub_transfer, else transfer.submit_file.
+    # (the hot path of random reads): through this File's Route to the running
+    # loop's Hub, else the long way, transfer.submit_file.
     pread = file_pread
 
     def pwrite(self, buf: Any, offset: int = 0) -> Awaitable[int]:
         """Write all of buf at offset (the file grows as needed; never truncated)."""
-        cached_for, p = self._p
-        if cached_for is not defaults.settings:
-            p = self._params()
-        h = self._h
-        if h is not None and h.direct:
+        route = self._route
+        p = route.current_params()
+        h = route.handle
+        if h.direct:
             p = scatter.params_for_one(h.fd, buf, p)
-        t = hub_transfer(REACTOR_ATTR, self, buf, offset, p, True)
+        t = hub_transfer(route, buf, offset, p, True)
         return t if t is not None else transfer.submit_file(WRITE, self, buf, offset, p)
 
     def pread_many(self, items: Iterable[tuple[Any, int]]) -> Awaitable[int]:

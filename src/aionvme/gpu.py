@@ -38,48 +38,20 @@ import contextlib
 from typing import Any
 
 from ._runtime import cuda, cufile, pinned
-from ._runtime.bounce import plan_pieces
-from ._runtime.cuda import Params, any_cuda, is_cuda, require_cuda
-from ._runtime.cufile import (
-    cufile_status,
-    deregister,
-    find_library,
-    gds_choice,
-    library_candidates,
-    nvidia_driver_present,
-    probe_main,
-    register,
-    registered,
-)
-from ._runtime.pinned import PinnedPool, memlock_budget, pin, pool
-from ._runtime.transfer import run_device as run_sync
-from ._runtime.transfer import submit_device as submit
-from ._runtime.transfer import transfer_device as transfer
+from ._runtime.cufile import cufile_status, deregister, gds_choice, register, registered
+from ._runtime.pinned import pin
 
+# What users call. The runtime's plumbing (the transfers, the pinned pool,
+# the library search, the bounce planner) stays in aionvme._runtime.
 __all__ = [
-    "Params",
-    "PinnedPool",
-    "any_cuda",
     "cufile_status",
     "deregister",
-    "find_library",
     "gds_choice",
-    "is_cuda",
-    "library_candidates",
-    "memlock_budget",
-    "nvidia_driver_present",
     "pin",
-    "plan_pieces",
-    "pool",
-    "probe_main",
     "register",
     "registered",
-    "require_cuda",
-    "run_sync",
     "shutdown",
     "stats",
-    "submit",
-    "transfer",
 ]
 
 

@@ -11,8 +11,23 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from .. import _engine, defaults
-from .._engine import Engine, FileHandle, fstatx
+from .. import defaults
+from .._engine import (
+    Engine,
+    FileHandle,
+    fstatx,
+    gds_buf_deregister,
+    gds_buf_register,
+    gds_driver_close,
+    gds_driver_open,
+    gds_driver_properties,
+    gds_file_registered,
+    gds_forget,
+    gds_load,
+    gds_register_file,
+    gds_status,
+    gds_submit,
+)
 from ..exceptions import CuFileError, DeviceError
 from . import cuda
 from .blocking import run as drive_request
@@ -109,11 +124,11 @@ def open_driver() -> _Driver:
         if d.ready:
             return d
         d.ready = True
-        path, why = _engine.gds_load(library_candidates())
+        path, why = gds_load(library_candidates())
         if path is None:
             d.reason = f"libcufile.so.0 could not be loaded: {why}"
             return d
-        st = _engine.gds_status()
+        st = gds_status()
         d.path, d.version = path, st["version"]
         if not os.environ.get("AIONVME_CUFILE_LIBRARY") and not nvidia_driver_present():
             # cuFileDriverOpen needs the GPU driver: without one, cuFile 1.20 was
@@ -121,11 +136,11 @@ def open_driver() -> _Driver:
             d.reason = "no NVIDIA GPU driver here (/dev/nvidiactl and /proc/driver/nvidia are absent)"
             return d
         try:
-            _engine.gds_driver_open()
+            gds_driver_open()
         except CuFileError as e:
             d.reason = f"cuFileDriverOpen failed: {e.strerror}"
             return d
-        props = _engine.gds_driver_properties()
+        props = gds_driver_properties()
         d.properties = props
         if props is None:
             d.mode, d.reason = "gds", "cuFile driver open (no cuFileDriverGetProperties to tell more)"
@@ -148,7 +163,7 @@ def cufile_status() -> dict[str, Any]:
     None) and why, driver properties, registrations. Opens the driver if it
     was not open yet (that initialises CUDA)."""
     d = open_driver()
-    st = _engine.gds_status()
+    st = gds_status()
     return dict(
         library=d.path,
         version=_version_str(d.version),
@@ -212,7 +227,7 @@ def gds_choice(fh: FileHandle) -> str | None:
         return "gpu_path='bounce'"
     if fh.gds_refused is not None and want == "auto":
         return str(fh.gds_refused.strerror)
-    if _engine.gds_file_registered(fh):
+    if gds_file_registered(fh):
         return None
     d = _driver
     if d.mode is None:
@@ -230,7 +245,7 @@ def gds_choice(fh: FileHandle) -> str | None:
         if not fh.direct:
             return refuse(fh, "the file is not open with O_DIRECT (its filesystem refuses it)")
     try:
-        _engine.gds_register_file(fh)
+        gds_register_file(fh)
     except CuFileError as e:
         if want == "gds":
             raise
@@ -267,7 +282,7 @@ def register(tensor: Any) -> bool:
         if base in _registered:
             return True
         with torch.cuda.device(tensor.device):
-            _engine.gds_buf_register(base, n, 0)
+            gds_buf_register(base, n, 0)
         _registered[base] = (n, tensor)
         bisect.insort(_registered_bases, base)
     return True
@@ -284,7 +299,7 @@ def deregister(tensor: Any) -> bool:
         import torch
 
         with torch.cuda.device(tensor.device):
-            _engine.gds_buf_deregister(base)
+            gds_buf_deregister(base)
         del _registered[base]
         _registered_bases.remove(base)
     return True
@@ -321,10 +336,10 @@ def shutdown() -> None:
         if os.getpid() == _driver.pid:
             for base in list(_registered):
                 with contextlib.suppress(CuFileError):
-                    _engine.gds_buf_deregister(base)
+                    gds_buf_deregister(base)
             if _driver.mode is not None:
                 with contextlib.suppress(CuFileError):
-                    _engine.gds_driver_close()
+                    gds_driver_close()
         _registered.clear()
         _registered_bases.clear()
         _driver = _Driver()
@@ -349,7 +364,7 @@ def describe() -> dict[str, Any]:
 
 def _after_fork_in_child() -> None:
     global _driver
-    _engine.gds_forget()
+    gds_forget()
     _driver = _Driver()
     _registered.clear()
     _registered_bases.clear()
@@ -380,7 +395,7 @@ async def gds(r: Reactor, fh: FileHandle, write: bool, items: list[tuple[Any, in
 
     flats, gitems = _gds_items(items)
     await cuda.after_current_streams(torch, {f.device for f in flats})
-    req = _engine.gds_submit(r.engine, fh, gitems, write, _gds_block(), params[1])
+    req = gds_submit(r.engine, fh, gitems, write, _gds_block(), params[1])
     n: int = await r.submit(req)
     cuda.stats["gds_requests"] += 1
     cuda.stats["gds_bytes"] += n
@@ -393,7 +408,7 @@ def gds_sync(eng: Engine, fh: FileHandle, write: bool, items: list[tuple[Any, in
     flats, gitems = _gds_items(items)
     for d in {f.device for f in flats}:
         torch.cuda.current_stream(d).synchronize()
-    n = drive_request(_engine.gds_submit(eng, fh, gitems, write, _gds_block(), params[1]), eng)
+    n = drive_request(gds_submit(eng, fh, gitems, write, _gds_block(), params[1]), eng)
     cuda.stats["gds_requests"] += 1
     cuda.stats["gds_bytes"] += n
     return n

@@ -17,7 +17,7 @@ import weakref
 from typing import Any
 
 from .. import defaults
-from .._engine import KERNEL_AIO, WORKER_POOL, FileHandle, Inode, fs_type, fstatx
+from .._engine import KERNEL_AIO, WORKER_POOL, FileHandle, Inode, Routed, fs_type, fstatx
 from ..exceptions import ClosedFileError, InvalidSettingError, os_error
 
 __all__ = [
@@ -137,8 +137,10 @@ class OpenInfo:
         )
 
 
-class FileBase:
-    """What the runtime needs of an open :class:`aionvme.File`: its engine handle."""
+class FileBase(Routed):
+    """What the runtime needs of an open :class:`aionvme.File`: its engine
+    handle, and (``_route``, a field of the engine's Routed) the Route its
+    calls in C take, built at open."""
 
     _h: FileHandle | None = None
     path: Any = None

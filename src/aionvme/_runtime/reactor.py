@@ -194,7 +194,9 @@ class Reactor:
         # the reactor loop_attr() finds (no pid comparison per call).
         self.live = True
         # submitting and scheduling the flush, in C (see Hub)
-        self.hub = Hub(self.engine, loop, self._flush, (settings or defaults.settings).submit_batch)
+        self.hub = Hub(
+            self.engine, loop, self._flush, (settings or defaults.settings).submit_batch, self._cancel
+        )
         self._retry: asyncio.TimerHandle | None = None
         self._retry_delay = _RETRY_FIRST
         self._fd = self.engine.fileno()

@@ -1,16 +1,19 @@
 """The one dispatch: every transfer of File, Handle, the path functions, the
-formats and the DeepSpeed handle goes through :func:`submit` (async) or
-:func:`run` (blocking), host buffers to the engine, CUDA tensors to cuFile or
-the bounce pipeline.
+formats and the DeepSpeed handle goes through :func:`dispatch`, host buffers
+to the engine as one request, CUDA tensors to cuFile or the bounce pipeline,
+driven by a :class:`Driver`: the loop's reactor (:func:`submit`) or the
+calling thread (:func:`run`). The one other entrance is File.pread/pwrite's
+common case, in C (a read or write of a host buffer through the File's
+Route, cython_ext/aionvme/glue/hub.pxi), whose long way is this dispatch.
 
 The asyncio contract lives here: :func:`submit` returns a future-like
-coroutine (a ``Transfer``, see cython_ext/aionvme/awaitable.pxi; errors found
-before anything was queued come as a failed future that is also a coroutine,
-see :class:`~aionvme._runtime.reactor.AsCoroutine`), and
-never raises for anything found while setting the transfer up (open
-failures, a closed File, a bad buffer or offset, a bad knob): the error is
-set on the future and arrives at the await. The only error of the call
-itself is RuntimeError when no event loop is running.
+coroutine (a ``Transfer``, see cython_ext/aionvme/glue/transfer.pxi; errors
+found before anything was queued come as a failed future that is also a
+coroutine, see :class:`~aionvme._runtime.reactor.AsCoroutine`), and never
+raises for anything found while setting the transfer up (open failures, a
+closed File, a bad buffer or offset, a bad knob): the error is set on the
+future and arrives at the await. Called with no event loop running, it
+returns a coroutine that starts the transfer once a loop runs it.
 """
 
 from __future__ import annotations
@@ -20,25 +23,38 @@ import collections.abc
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from .. import _engine, defaults
-from .._engine import MODE_NO_OVERLAP, MODE_SINGLE_SUBMIT, Engine, FileHandle, Request
+from .. import defaults
+from .._engine import (
+    MODE_NO_OVERLAP,
+    MODE_SINGLE_SUBMIT,
+    Engine,
+    FileHandle,
+    Request,
+    bind_routes,
+    gds_refuse_file,
+    settings_changed,
+)
 from ..exceptions import CuFileError, NonContiguousBufferError, ShortReadError, UnsupportedOperation
 from . import bounce, cufile, scatter
 from .blocking import run as drive_request
 from .cuda import Params, any_cuda, helper, is_cuda, require_cuda
 from .opening import FileBase, handle_for
-from .reactor import AsCoroutine, Reactor, failed, get_reactor
+from .reactor import REACTOR_ATTR, AsCoroutine, Reactor, failed, get_reactor
 
 __all__ = [
+    "BLOCKING",
     "FDATASYNC",
     "FSYNC",
+    "ON_LOOP",
     "READ",
     "READROWS",
     "READV",
     "WRITE",
     "WRITEROWS",
     "WRITEV",
+    "Driver",
     "Params",
+    "dispatch",
     "params",
     "run",
     "run_device",
@@ -51,6 +67,7 @@ __all__ = [
 # What a request does (one name per operation, used by every caller).
 READ, WRITE, READV, WRITEV, FSYNC, FDATASYNC, READROWS, WRITEROWS = range(8)
 _WRITES = (WRITE, WRITEV, WRITEROWS)
+Items = list[tuple[Any, int]]  # (buffer, offset) pairs of a transfer with CUDA tensors
 
 _params_cache: tuple[object, Params] = (None, (0, 0, 0))
 
@@ -140,6 +157,108 @@ def _named(exc: Exception, fh: FileHandle | None) -> Exception:
     return exc
 
 
+# -- the one dispatch -------------------------------------------------------------------------
+
+
+class Driver:
+    """What drives a dispatched transfer: the loop's reactor (:data:`ON_LOOP`,
+    an awaitable back, errors at the await) or this thread (:data:`BLOCKING`,
+    the byte count back, errors raised). ``ctx`` is the reactor or the engine."""
+
+    __slots__ = ()
+
+    def engine(self, ctx: Any) -> Engine:
+        raise NotImplementedError
+
+    def start(self, ctx: Any, req: Request) -> Any:
+        raise NotImplementedError
+
+    def device(self, ctx: Any, fh: FileHandle, temporary: bool, write: bool, items: Items, p: Params) -> Any:
+        raise NotImplementedError
+
+    def fail(self, ctx: Any, exc: Exception) -> Any:
+        raise NotImplementedError
+
+
+class _OnLoop(Driver):
+    __slots__ = ()
+
+    def engine(self, ctx: Reactor) -> Engine:
+        return ctx.engine
+
+    def start(self, ctx: Reactor, req: Request) -> Awaitable[int]:
+        return ctx.submit(req)
+
+    def device(
+        self, ctx: Reactor, fh: FileHandle, temporary: bool, write: bool, items: Items, p: Params
+    ) -> Awaitable[int]:
+        return submit_device(ctx, fh, temporary, write, items, p)
+
+    def fail(self, ctx: Reactor, exc: Exception) -> Awaitable[int]:
+        return failed(exc, ctx.loop)
+
+
+class _Blocking(Driver):
+    __slots__ = ()
+
+    def engine(self, ctx: Engine) -> Engine:
+        return ctx
+
+    def start(self, ctx: Engine, req: Request) -> int:
+        return drive_request(req, ctx)
+
+    def device(
+        self, ctx: Engine, fh: FileHandle, temporary: bool, write: bool, items: Items, p: Params
+    ) -> int:
+        return run_device(ctx, fh, temporary, write, items, p)
+
+    def fail(self, ctx: Engine, exc: Exception) -> int:
+        raise exc
+
+
+ON_LOOP: Driver = _OnLoop()
+BLOCKING: Driver = _Blocking()
+
+
+def dispatch(
+    driver: Driver,
+    ctx: Any,
+    op: int,
+    file: Any,
+    data: Any = None,
+    offset: int = 0,
+    p: Params | None = None,
+    direct: bool | None = None,
+) -> Any:
+    """The one dispatch: op on file (a path, opened with ``direct`` for this
+    request and closed after it; an aionvme File; an engine handle; an fd),
+    host buffers as one engine request, CUDA tensors to cuFile or the bounce
+    pipeline, driven by ``driver`` on ``ctx``. ``p``: :func:`params` (None:
+    the defaults). Every error of the setup goes through ``driver.fail``."""
+    fh: FileHandle | None = None
+    temporary = False
+    try:
+        if p is None:
+            p = params()
+        fh, temporary = handle_for(file, op in _WRITES, direct)
+        if op <= WRITE:  # one buffer, the common case
+            items = [(data, offset)] if is_cuda(data) else None
+        else:
+            if op in (READV, WRITEV):
+                data = list(data)
+            items = _cuda_items(op, data, offset)
+        if items is not None:
+            temporary, t = False, temporary  # the device transfer closes it
+            return driver.device(ctx, fh, t, op in _WRITES, items, p)
+        req = make(driver.engine(ctx), op, fh, data, offset, p)
+    except Exception as e:
+        return driver.fail(ctx, _named(e, fh))
+    finally:
+        if temporary and fh is not None:
+            fh.close()  # deferred by the engine until the request has finished
+    return driver.start(ctx, req)
+
+
 def submit(
     reactor_of: Callable[[], Reactor],
     op: int,
@@ -149,84 +268,29 @@ def submit(
     p: Params | None = None,
     direct: bool | None = None,
 ) -> Awaitable[int]:
-    """Start op now on the reactor ``reactor_of()`` gives; the awaitable gives
-    the byte count or raises. ``file``: a path (opened with ``direct`` for
-    this request and closed after it), an aionvme File, an engine handle or
-    an fd. ``p``: :func:`params` (None: the defaults)."""
-    fh: FileHandle | None = None
-    temporary = False
+    """:func:`dispatch` on the reactor ``reactor_of()`` gives, starting now;
+    the awaitable gives the byte count or raises. Called outside an event
+    loop (``asyncio.run(nvme.pread(...))``): a coroutine that starts the
+    transfer once a loop runs it."""
     try:
-        try:
-            r = reactor_of()
-        except RuntimeError:
-            if asyncio._get_running_loop() is not None:
-                raise
-            # Called outside an event loop, as in asyncio.run(nvme.pread(...)):
-            # a coroutine that starts the transfer once a loop runs it.
+        r = reactor_of()
+    except Exception as e:
+        if isinstance(e, RuntimeError) and asyncio._get_running_loop() is None:
             return _when_awaited(reactor_of, op, file, data, offset, p, direct)
-        if p is None:
-            p = params()
-        fh, temporary = handle_for(file, op in _WRITES, direct)
-        if op <= WRITE and not is_cuda(data):
-            # The hot path (one host buffer), without the general dispatch's
-            # calls: 4 KiB random reads by gather spend ~10 µs of CPU per read.
-            if op == READ:
-                req = r.engine.read(fh, data, offset, p[0], p[1], p[2])
-            else:
-                if fh.direct:
-                    p = scatter.params_for_one(fh.fd, data, p)
-                req = r.engine.write(fh, data, offset, p[0], p[1], p[2])
-        else:
-            if op in (READV, WRITEV):
-                data = list(data)
-            items = _cuda_items(op, data, offset)
-            if items is not None:
-                temporary, t = False, temporary  # the device transfer closes it
-                return submit_device(r, fh, t, op in _WRITES, items, p)
-            req = make(r.engine, op, fh, data, offset, p)
-    except Exception as e:
-        return failed(_named(e, fh))
-    finally:
-        if temporary and fh is not None:
-            fh.close()  # deferred by the engine until the request has finished
-    return r.submit(req)
+        return failed(e)
+    aw: Awaitable[int] = dispatch(ON_LOOP, r, op, file, data, offset, p, direct)
+    return aw
 
 
-def submit_file(op: int, file: FileBase, data: Any, offset: int, p: Params) -> Awaitable[int]:
-    """:func:`submit` of READ or WRITE on an open File, on the running loop's
-    reactor: the same dispatch with the steps a File makes unnecessary left
-    out (no path to open, no reactor callback). The common case (a host
-    buffer, a live reactor) never gets here: File.pread/pwrite take it in C
-    (``hub_transfer``); this is their long way (no loop yet, a closed File, a
-    CUDA tensor, a bad buffer), which reports errors at the await."""
-    try:
-        r = get_reactor()
-    except RuntimeError:
-        return submit(get_reactor, op, file, data, offset, p)  # no running loop: its coroutine
-    fh: FileHandle | None = None
-    try:
-        fh = file._handle()
-        if is_cuda(data):
-            return submit_device(r, fh, False, op == WRITE, [(data, offset)], p)
-        if op == READ:
-            req = r.engine.read(fh, data, offset, p[0], p[1], p[2])
-        else:
-            req = r.engine.write(fh, data, offset, p[0], p[1], p[2])
-    except Exception as e:
-        return failed(_named(e, fh))
-    return r.submit(req)
+def submit_file(op: int, file: FileBase, data: Any, offset: int, p: Params | None) -> Awaitable[int]:
+    """File.pread/pwrite's long way (no running loop or reactor yet, a closed
+    File, a CUDA tensor, a bad buffer: their common case is in C, through the
+    File's Route); errors arrive at the await."""
+    return submit(get_reactor, op, file, data, offset, p)
 
 
-async def _when_awaited(
-    reactor_of: Callable[[], Reactor],
-    op: int,
-    file: Any,
-    data: Any,
-    offset: int,
-    p: Params | None,
-    direct: bool | None,
-) -> int:
-    n: int = await submit(reactor_of, op, file, data, offset, p, direct)
+async def _when_awaited(reactor_of: Callable[[], Reactor], *args: Any) -> int:
+    n: int = await submit(reactor_of, *args)
     return n
 
 
@@ -239,25 +303,16 @@ def run(
     p: Params | None = None,
     direct: bool | None = None,
 ) -> int:
-    """The blocking twin of :func:`submit`, on eng (driven by this thread):
-    the byte count, or the error raised here."""
-    if p is None:
-        p = params()
-    fh, temporary = handle_for(file, op in _WRITES, direct)
-    try:
-        if op in (READV, WRITEV):
-            data = list(data)
-        items = _cuda_items(op, data, offset)
-        if items is not None:
-            temporary, t = False, temporary
-            return run_device(eng, fh, t, op in _WRITES, items, p)
-        req = make(eng, op, fh, data, offset, p)
-    except Exception as e:
-        raise _named(e, fh) from None
-    finally:
-        if temporary:
-            fh.close()
-    return drive_request(req, eng)
+    """:func:`dispatch` driven by this thread on eng: the byte count, or the
+    error raised here."""
+    n: int = dispatch(BLOCKING, eng, op, file, data, offset, p, direct)
+    return n
+
+
+# The C side of File.pread/pwrite (the Route, see cython_ext/aionvme/glue/hub.pxi)
+# takes its parameters and its long way from here, and follows the defaults.
+bind_routes(REACTOR_ATTR, params, submit_file, READ)
+defaults.on_change(settings_changed)
 
 
 # -- CUDA tensors -----------------------------------------------------------------------------
@@ -278,7 +333,7 @@ def _fallback(fh: FileHandle, e: CuFileError) -> None:
     if e.code not in cufile.FALL_BACK or defaults.settings.gpu_path == "gds":
         raise e
     cufile.refuse(fh, f"cuFile refused a transfer: {e.strerror}")
-    _engine.gds_refuse_file(fh, e)
+    gds_refuse_file(fh, e)
 
 
 async def _device_part(

@@ -25,8 +25,10 @@ with these differences:
 - ``async_*`` calls return at once and the transfer proceeds in the background
   (aionvme's background event-loop thread, shared by the process); :meth:`aio_handle.wait`
   blocks with the GIL released;
-- CUDA and non-contiguous tensors go through a host staging copy, and reads
-  into them are completed by :meth:`aio_handle.wait`;
+- CUDA tensors take aionvme's GPU path (cuFile, or kernel AIO through pinned
+  bounce buffers: :mod:`aionvme.gpu`), as every aionvme call does;
+  non-contiguous tensors go through a contiguous copy on their own device,
+  and reads into them are completed by :meth:`aio_handle.wait`;
 - :meth:`aio_handle.free_cpu_locked_tensor` forgets the tensor; its memory
   is released when the last reference to it goes, never under a live tensor;
 - locked tensors are process-wide, as DeepNVMe's pinned-tensor manager is:
@@ -91,7 +93,9 @@ def _host_bytes(obj: Any) -> memoryview:
     if _is_tensor(obj):
         import torch
 
-        flat = obj.reshape(-1)
+        flat = obj.detach().reshape(-1)
+        if flat.device.type != "cpu":
+            flat = flat.cpu()  # validating a CUDA tensor: its bytes, copied back
         return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
     return memoryview(obj).cast("B")
 
@@ -159,13 +163,15 @@ def _validate(host: Any, file: str | int, offset: int) -> None:
 
 
 def _staged(buffer: Any, read: bool) -> Any:
-    """A contiguous host copy for a CUDA or non-contiguous tensor (None if not needed)."""
-    if not _is_tensor(buffer) or (buffer.device.type == "cpu" and buffer.is_contiguous()):
+    """A contiguous copy of a non-contiguous tensor, on the tensor's own
+    device (None if not needed). A CUDA tensor is never copied to the host
+    here: it takes aionvme's GPU path (cuFile or the pinned bounce pipeline),
+    as every aionvme call does."""
+    if not _is_tensor(buffer) or buffer.is_contiguous():
         return None
     import torch
 
-    pin = buffer.device.type == "cuda" and torch.cuda.is_available()
-    staging = torch.empty(buffer.shape, dtype=buffer.dtype, device="cpu", pin_memory=pin)
+    staging = torch.empty(buffer.shape, dtype=buffer.dtype, device=buffer.device)
     if not read:
         staging.copy_(buffer)
     return staging
