@@ -12,8 +12,8 @@ iteration are submitted together (in io_submit calls of 4, 8, 16, ... so the
 device starts early), each split into chunks in flight in parallel.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` and no names imported for typing
+# only: dir(aionvme) lists the API and nothing else (see the ``del`` below).
 from typing import Any
 
 from . import data, defaults, gpu, offload
@@ -21,6 +21,7 @@ from ._engine import AlignedBuffer
 from .atomic import atomic_write
 from .exceptions import (
     AionvmeError,
+    BlockingCallError,
     BufferTypeError,
     ClosedFileError,
     CuFileError,
@@ -33,6 +34,7 @@ from .exceptions import (
     SettingTypeError,
     ShortReadError,
     ShortWriteError,
+    UnsafeSymlinkError,
     UnsupportedOperation,
 )
 from .file import File, fsync, open, pread, pread_many, pread_rows, pwrite, pwrite_many, pwrite_rows
@@ -75,12 +77,16 @@ def info(path: str | None = None, *, init_cuda: bool = False) -> dict[str, Any]:
     return _info(path, init_cuda=init_cuda)
 
 
+del Any  # only the annotation above needed it
+
+
 __version__ = "0.1.0"
 
 __all__ = [
     "AionvmeError",
     "AlignedBuffer",
     "BackgroundSave",
+    "BlockingCallError",
     "BufferTypeError",
     "ClosedFileError",
     "CuFileError",
@@ -105,6 +111,7 @@ __all__ = [
     "TensorNotFoundError",
     "TieredStore",
     "TorchNotInstalledError",
+    "UnsafeSymlinkError",
     "UnsupportedOperation",
     "__version__",
     "aclose",
