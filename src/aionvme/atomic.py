@@ -42,16 +42,26 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC  # O_RDONLY, not O_PATH
 
 def fsync_dir(directory: str | int) -> None:
     """fsync a directory (a path, or an open directory fd) so a rename or
-    create in it is durable."""
-    fd = directory if isinstance(directory, int) else os.open(directory, _DIR_FLAGS)
+    create in it is durable.
+
+    An fd is opened again as ``"."`` relative to itself: the same directory,
+    no name resolved, and a fresh open reports a filesystem shut down under
+    us (EIO), where xfs's fsync of a directory already open returns 0 though
+    the rename was lost (tests/faults/test_crash.py)."""
+    name = f"<dir fd {directory}>" if isinstance(directory, int) else directory
+    try:
+        if isinstance(directory, int):
+            fd = os.open(".", _DIR_FLAGS, dir_fd=directory)
+        else:
+            fd = os.open(directory, _DIR_FLAGS)
+    except OSError as e:
+        raise os_error(e.errno or errno.EIO, name, op="open (directory)") from None
     try:
         os.fsync(fd)
     except OSError as e:
-        name = f"<dir fd {fd}>" if isinstance(directory, int) else directory
         raise os_error(e.errno or errno.EIO, name, op="fsync (directory)") from None
     finally:
-        if not isinstance(directory, int):
-            os.close(fd)
+        os.close(fd)
 
 
 def _open_dir(path: str, dir_fd: int | None, shown: str) -> int:
@@ -239,12 +249,14 @@ class AtomicWriter:
             os.close(fd)
 
     def _discard(self) -> None:
-        if self.file is not None:
-            self.file.close()
-        if self._dir_fd >= 0:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._tmp_name, dir_fd=self._dir_fd)
-        self._close_dir()
+        try:
+            if self.file is not None:
+                self.file.close()
+            if self._dir_fd >= 0:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._tmp_name, dir_fd=self._dir_fd)
+        finally:
+            self._close_dir()  # even when the unlink fails (EIO): an open fd keeps a mount busy
 
     def _rename(self) -> None:
         try:
@@ -253,11 +265,18 @@ class AtomicWriter:
             self._discard()
             raise os_error(e.errno or errno.EIO, self.path, op="rename") from None
 
+    def _sync_dir(self) -> None:
+        try:
+            fsync_dir(self._dir_fd)
+        except OSError as e:
+            e.filename = self.directory  # the directory by name, not "<dir fd N>"
+            raise
+
     def _publish(self) -> None:
         try:
             self._rename()
             if self.durable:
-                fsync_dir(self._dir_fd)
+                self._sync_dir()
         finally:
             self._close_dir()
 
@@ -290,7 +309,7 @@ class AtomicWriter:
         self._rename()
         try:
             if self.durable:
-                sync = asyncio.ensure_future(asyncio.to_thread(fsync_dir, self._dir_fd))
+                sync = asyncio.ensure_future(asyncio.to_thread(self._sync_dir))
                 try:
                     await asyncio.shield(sync)
                 except asyncio.CancelledError:
