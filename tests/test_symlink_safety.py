@@ -290,3 +290,21 @@ def test_no_directory_descriptor_is_left_open(tmp_path):
         with pytest.raises(FileNotFoundError), nvme.atomic_write(tmp_path / "missing" / "h.bin"):
             pass
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_exclusive_create_where_o_direct_is_refused(ramfs_dir):
+    # ramfs refuses O_DIRECT with EINVAL after the exclusive create made the
+    # file: 'x' must open the file it made, not fail with EEXIST (the DCP
+    # writer's data files and atomic_write's temporary file are made so)
+    path = ramfs_dir / "new.bin"
+    with nvme.open(path, "x+", direct=True) as f:
+        assert not f.direct
+        f.sync_pwrite(b"made once", 0)
+    assert path.read_bytes() == b"made once"
+    with pytest.raises(FileExistsError):
+        nvme.open(path, "x", direct=True)
+    link = ramfs_dir / "latest.bin"
+    os.symlink("new.bin", link)
+    with nvme.atomic_write(link, direct=True) as f:
+        f.sync_pwrite(b"through the link", 0)
+    assert path.read_bytes() == b"through the link" and link.is_symlink()

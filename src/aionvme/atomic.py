@@ -93,7 +93,7 @@ def _may_follow(dir_fd: int, link: os.stat_result, shown: str) -> None:
     raise UnsafeSymlinkError(shown, link.st_uid)
 
 
-def resolve_at(path: PathLike) -> tuple[int, str, str, os.stat_result | None]:
+def _resolve_at(path: PathLike) -> tuple[int, str, str, os.stat_result | None]:
     """Where a whole-file write of path goes: (directory fd, name in it,
     the path shown in messages, the target's lstat or None if it is new).
 
@@ -202,7 +202,7 @@ class AtomicWriter:
 
     def _open(self) -> File:
         # The directory is opened once; every later step is relative to it.
-        dfd, self._name, self.path, st = resolve_at(self._target)
+        dfd, self._name, self.path, st = _resolve_at(self._target)
         self._dir_fd = dfd
         self.directory = os.path.dirname(self.path)
         try:
