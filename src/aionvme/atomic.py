@@ -108,16 +108,22 @@ def _resolve_at(path: PathLike) -> tuple[int, str, str, os.stat_result | None]:
     dfd = _open_dir(parent, None, os.path.dirname(shown))
     try:
         for _ in range(_MAXSYMLINKS + 1):
+            # The entry itself (O_PATH|O_NOFOLLOW): its owner and its target
+            # are read from one inode, not from whatever the name holds later.
             try:
-                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                lfd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
             except FileNotFoundError:
                 return dfd, name, shown, None
             except OSError as e:
-                raise os_error(e.errno or errno.EIO, shown, op="stat") from None
-            if not stat.S_ISLNK(st.st_mode):
-                return dfd, name, shown, st
-            _may_follow(dfd, st, shown)
-            target = os.readlink(name, dir_fd=dfd)
+                raise os_error(e.errno or errno.EIO, shown, op="open") from None
+            try:
+                st = os.fstat(lfd)
+                if not stat.S_ISLNK(st.st_mode):
+                    return dfd, name, shown, st
+                _may_follow(dfd, st, shown)
+                target = os.readlink("", dir_fd=lfd)  # readlinkat(fd, ""): the link open as fd
+            finally:
+                os.close(lfd)
             shown = os.path.normpath(os.path.join(os.path.dirname(shown), target))
             parent, name = _split(target, shown)
             if parent:  # relative to the link's directory; an absolute one ignores dir_fd
