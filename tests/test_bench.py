@@ -282,9 +282,10 @@ async def test_misaligned_seqread_verifies(tmp_path):
     assert r.verified and r.nbytes > (4 << 20) - 8192
 
 
-def test_bad_workload_name(tmp_path):
-    with pytest.raises(SystemExit, match="unknown workload 'nope'"):
+def test_bad_workload_name(tmp_path, capsys):
+    with pytest.raises(SystemExit) as ei:
         main(["bench", "-w", "nope", "--dir", str(tmp_path)])
+    assert ei.value.code == 2 and "unknown workload 'nope'" in capsys.readouterr().err
 
 
 def test_make_file_never_overwrites_another_programs_file(tmp_path):

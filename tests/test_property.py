@@ -58,7 +58,8 @@ async def _transfer(f, op: str, buf: np.ndarray, off: int) -> int:
         return await getattr(f, op)(buf, off)
     if op in ("pread_many", "pwrite_many"):
         return await getattr(f, op)([(buf[h:], off + h), (buf[:h], off)])
-    return getattr(f, op)(buf, off)  # the blocking forms
+    # the blocking forms, from a thread: on the loop's thread they raise BlockingCallError
+    return await asyncio.to_thread(getattr(f, op), buf, off)
 
 
 def _check_read(model: Model, buf: np.ndarray, off: int, result: object) -> None:

@@ -4,6 +4,7 @@ wrong type), and the environment, config files and modes follow suit."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -148,7 +149,7 @@ async def test_modes_are_checked_alike_and_b_means_binary(make_file, tmp_path):
             out = np.zeros(4096, np.uint8)
             assert await f.pread(out) == 4096 and np.array_equal(out, data)
     with nvme.open(tmp_path / "new.bin", "wb") as f:
-        assert f.sync_pwrite(data) == 4096
+        assert await asyncio.to_thread(f.sync_pwrite, data) == 4096  # blocking: off the loop thread
     with Handle() as h:
         for bad in ("rt", "rbb", "ab", "a", "q", "", "r+t"):
             _check(lambda m=bad: nvme.open(path, m), InvalidSettingError, f"open mode {bad!r}")

@@ -6,6 +6,7 @@ root only) and leaves contiguous memory zero-copy; 'never' never copies."""
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import mmap
 import os
@@ -114,7 +115,7 @@ async def test_copied_writes_land_every_byte(tmp_path, phase):
         with nvme.File(path, "w", block_size="4M") as f:
             await f.pwrite(src, 4096)
             await f.pwrite_many([(t, 4096 + n), (src[: 3 * MiB], 4096 + 2 * n)])
-            f.sync_pwrite_many([(src, 8192 + 2 * n + 3 * MiB)])
+            await asyncio.to_thread(f.sync_pwrite_many, [(src, 8192 + 2 * n + 3 * MiB)])  # blocking: a thread
             await f.fsync()
         assert nvme.stats()["bounce_buffers"] > before, "nothing went through the engine's buffers"
     data = np.fromfile(path, dtype=np.uint8)

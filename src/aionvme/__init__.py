@@ -12,8 +12,8 @@ iteration are submitted together (in io_submit calls of 4, 8, 16, ... so the
 device starts early), each split into chunks in flight in parallel.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` and no names imported for typing
+# only: dir(aionvme) lists the API and nothing else (see the ``del`` below).
 from typing import Any
 
 from . import data, defaults, gpu, offload
@@ -22,6 +22,7 @@ from ._version import __version__
 from .atomic import atomic_write
 from .exceptions import (
     AionvmeError,
+    BlockingCallError,
     BufferTypeError,
     ClosedFileError,
     CuFileError,
@@ -34,6 +35,7 @@ from .exceptions import (
     SettingTypeError,
     ShortReadError,
     ShortWriteError,
+    UnsafeSymlinkError,
     UnsupportedOperation,
 )
 from .file import File, fsync, open, pread, pread_many, pread_rows, pwrite, pwrite_many, pwrite_rows
@@ -76,10 +78,13 @@ def info(path: str | None = None, *, init_cuda: bool = False) -> dict[str, Any]:
     return _info(path, init_cuda=init_cuda)
 
 
+del Any  # only the annotation above needed it
+
 __all__ = [
     "AionvmeError",
     "AlignedBuffer",
     "BackgroundSave",
+    "BlockingCallError",
     "BufferTypeError",
     "ClosedFileError",
     "CuFileError",
@@ -104,6 +109,7 @@ __all__ = [
     "TensorNotFoundError",
     "TieredStore",
     "TorchNotInstalledError",
+    "UnsafeSymlinkError",
     "UnsupportedOperation",
     "__version__",
     "aclose",

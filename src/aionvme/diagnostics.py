@@ -150,6 +150,7 @@ def _probe_direct(path: str) -> dict[str, Any]:
     try:
         st = fstatx_path(name)
         with File(name, "r+", direct=True) as f:
+            f._loop_ok = True  # a 4 KiB probe: info() may be called from async code
             buf = empty(4096)
             buf[:] = 0xA5
             f.sync_pwrite(buf, 0)

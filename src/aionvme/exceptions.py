@@ -12,10 +12,12 @@ from __future__ import annotations
 import errno as _errno
 import io
 import os
+import stat
 from typing import Any
 
 __all__ = [
     "AionvmeError",
+    "BlockingCallError",
     "BufferTypeError",
     "ClosedFileError",
     "CuFileError",
@@ -28,6 +30,7 @@ __all__ = [
     "SettingTypeError",
     "ShortReadError",
     "ShortWriteError",
+    "UnsafeSymlinkError",
     "UnsupportedOperation",
     "cufile_error",
     "os_error",
@@ -62,6 +65,33 @@ class ClosedFileError(AionvmeError, ValueError):
     """I/O on a closed aionvme file (ValueError, like I/O on a closed Python file)."""
 
 
+class BlockingCallError(AionvmeError, RuntimeError):
+    """A blocking call (``sync_load``, ``File.sync_pread``, ``Handle.sync_pwrite``...)
+    was made on a thread whose event loop is running: it would stall every
+    task of that loop for the whole transfer. ``await`` the async form there,
+    or make the call from another thread.
+
+    Attributes
+    ----------
+    call : str
+        The blocking call (``"aionvme.sync_load"``, ``"File.sync_pread"``).
+    instead : str
+        Its async form.
+    """
+
+    def __init__(self, call: str, instead: str) -> None:
+        short = call.rsplit(".", 1)[-1]
+        super().__init__(
+            f"{call}() blocks, and this thread runs an event loop: use `await {instead}(...)` "
+            f"(or call {short} from another thread)"
+        )
+        self.call = call
+        self.instead = instead
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.call, self.instead))
+
+
 class EngineClosedError(AionvmeError, RuntimeError):
     """The runtime serving this event loop was closed."""
 
@@ -69,8 +99,49 @@ class EngineClosedError(AionvmeError, RuntimeError):
 class UnsupportedOperation(AionvmeError, io.UnsupportedOperation):
     """Writing to a file opened read-only, or reading one opened write-only.
 
-    ``filename`` names the file (it is an OSError, like io's).
+    ``filename`` names the file (it is an OSError, like io's, without an
+    errno: the message is the library's own).
     """
+
+    def __init__(self, message: str, filename: object = None) -> None:
+        super().__init__(message)
+        if filename is not None:
+            self.filename = filename
+
+    def __str__(self) -> str:
+        msg = str(self.args[0]) if self.args else "unsupported operation"
+        name = self.filename
+        if name is not None and repr(name) not in msg and str(name) not in msg:
+            msg = f"{msg}: {name!r}"
+        return msg
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.args[0] if self.args else "", self.filename))
+
+
+class UnsafeSymlinkError(AionvmeError, PermissionError):
+    """A whole-file write (:func:`aionvme.atomic_write`, ``save``...) refused
+    to follow a symbolic link that the kernel's ``fs.protected_symlinks`` rule
+    refuses: a link in a sticky, world-writable directory (like /tmp) owned
+    neither by the writing user nor by the directory's owner, which another
+    user may have planted to redirect the write.
+
+    A ``PermissionError`` with errno EACCES (what ``open(2)`` gives for such a
+    link when the sysctl is on); ``filename`` is the link, ``link_uid`` its
+    owner.
+    """
+
+    def __init__(self, filename: object, link_uid: int) -> None:
+        super().__init__(
+            _errno.EACCES,
+            f"{os.strerror(_errno.EACCES)} (refusing to follow a symbolic link owned by uid "
+            f"{link_uid} in a sticky world-writable directory: fs.protected_symlinks)",
+            filename,
+        )
+        self.link_uid = link_uid
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.filename, self.link_uid))
 
 
 class InvalidSettingError(AionvmeError, ValueError):
@@ -123,7 +194,10 @@ class ShortReadError(AionvmeError, EOFError):
     expected : bytes asked for.
     received : bytes that arrived, contiguously from ``offset``.
     segment : index of the (buffer, offset) pair, for batched reads; else None.
-    file_size : the file's size when the error was made, if known.
+    file_size : the file's size when the error was made, when it agrees with
+        what the read found (the file may have grown since): from the open
+        file, or for a path-based call (whose file is closed by then) from
+        the path; None where neither can say (an fd that was closed).
     """
 
     def __init__(
@@ -140,6 +214,8 @@ class ShortReadError(AionvmeError, EOFError):
         self.expected = expected
         self.received = received
         self.segment = segment
+        if file_size is None:
+            file_size = _size_by_name(filename, offset + received)
         self.file_size = file_size
         where = f" (item {segment})" if segment is not None else ""
         if file_size is not None:
@@ -157,6 +233,22 @@ class ShortReadError(AionvmeError, EOFError):
             type(self),
             (self.filename, self.offset, self.expected, self.received, self.segment, self.file_size),
         )
+
+
+def _size_by_name(filename: object, end: int) -> int | None:
+    """The size of the regular file at path ``filename``, if no more than
+    ``end`` (where the short read stopped); else None. The engine measures an
+    open file itself (fstat); a path-based call's file is closed by the time
+    the error is made, so its size is taken from the name."""
+    if not isinstance(filename, (str, bytes, os.PathLike)):
+        return None
+    if isinstance(filename, str) and filename.startswith("<fd "):  # an fd's stand-in name
+        return None
+    try:
+        st = os.stat(filename)
+    except (OSError, ValueError):
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) and st.st_size <= end else None
 
 
 class ShortWriteError(AionvmeError, OSError):

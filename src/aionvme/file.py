@@ -21,7 +21,7 @@ from ._runtime.blocking import thread_engine
 from ._runtime.opening import FS_NAMES, FileBase, OpenInfo, PathLike, open_handle, parse_mode
 from ._runtime.reactor import failed, get_reactor
 from ._runtime.transfer import FDATASYNC, FSYNC, READ, READROWS, READV, WRITE, WRITEROWS, WRITEV
-from .exceptions import os_error
+from .exceptions import BlockingCallError, UnsupportedOperation, os_error
 
 __all__ = [
     "FS_NAMES",
@@ -82,13 +82,38 @@ class File(FileBase):
         block_size: int | str | None = None,
         parallelism: int | None = None,
     ) -> None:
+        self._start(path, mode, direct, block_size, parallelism)
+
+    def _start(
+        self,
+        path: PathLike,
+        mode: str,
+        direct: bool | None,
+        block_size: int | str | None,
+        parallelism: int | None,
+        dir_fd: int | None = None,
+        display: str | None = None,
+    ) -> None:
         self._h = None
         flags, readable, writable = parse_mode(mode)
         self.mode = mode
         self.block_size, self.parallelism = defaults.check_call(block_size, parallelism)
-        self._h, self.info = open_handle(path, flags, readable, writable, direct, owner=self)
+        if dir_fd is not None:
+            flags |= os.O_NOFOLLOW
+        self._h, self.info = open_handle(
+            path, flags, readable, writable, direct, owner=self, dir_fd=dir_fd, display=display
+        )
         self._route = Route(self._h, self.block_size, self.parallelism)
         self.path = self._h.path
+
+    @classmethod
+    def _open_at(cls, dir_fd: int, name: str, mode: str, *, display: str, direct: bool | None) -> File:
+        """A File on ``name`` in the directory open as ``dir_fd`` (openat, the
+        last component never followed if it is a symbolic link: O_NOFOLLOW);
+        errors and ``path`` name it ``display``. For :mod:`aionvme.atomic`."""
+        f = cls.__new__(cls)
+        f._start(name, mode, direct, None, None, dir_fd, display)
+        return f
 
     # -- state -------------------------------------------------------------------
 
@@ -183,33 +208,57 @@ class File(FileBase):
         return transfer.submit(get_reactor, FDATASYNC, self)
 
     # -- blocking I/O (no event loop needed; waits with the GIL released) ----------
+    #
+    # On a thread whose event loop is running they raise BlockingCallError (they
+    # would stall the loop), as aionvme.sync_load does; a call that would fail
+    # anyway (closed file, wrong mode) raises that error first.
+
+    _loop_ok = False  # True: this File's blocking calls are allowed on a loop thread
+
+    def _blocking(self, name: str, instead: str, write: bool | None) -> None:
+        if self._loop_ok or asyncio._get_running_loop() is None:
+            return
+        h = self._handle()
+        if write is not None and not (h.writable if write else h.readable):
+            what = "writing" if write else "reading"
+            raise UnsupportedOperation(f"file not open for {what}: {self.path!r}", self.path)
+        raise BlockingCallError(f"File.{name}", f"File.{instead}")
 
     def sync_pread(self, buf: Any, offset: int = 0) -> int:
-        """Blocking :meth:`pread`: the byte count, or the error raised here."""
+        """Blocking :meth:`pread`: the byte count, or the error raised here.
+
+        Raises BlockingCallError on a thread whose event loop is running."""
+        self._blocking("sync_pread", "pread", False)
         return transfer.run(thread_engine(), READ, self, buf, offset, self._params())
 
     def sync_pwrite(self, buf: Any, offset: int = 0) -> int:
         """Blocking :meth:`pwrite`."""
+        self._blocking("sync_pwrite", "pwrite", True)
         return transfer.run(thread_engine(), WRITE, self, buf, offset, self._params())
 
     def sync_pread_many(self, items: Iterable[tuple[Any, int]]) -> int:
         """Blocking :meth:`pread_many`."""
+        self._blocking("sync_pread_many", "pread_many", False)
         return transfer.run(thread_engine(), READV, self, items, 0, self._params())
 
     def sync_pread_rows(self, buf: Any, offsets: Any) -> int:
         """Blocking :meth:`pread_rows`."""
+        self._blocking("sync_pread_rows", "pread_rows", False)
         return transfer.run(thread_engine(), READROWS, self, (buf, offsets), 0, self._params())
 
     def sync_pwrite_many(self, items: Iterable[tuple[Any, int]]) -> int:
         """Blocking :meth:`pwrite_many`."""
+        self._blocking("sync_pwrite_many", "pwrite_many", True)
         return transfer.run(thread_engine(), WRITEV, self, items, 0, self._params())
 
     def sync_pwrite_rows(self, buf: Any, offsets: Any) -> int:
         """Blocking :meth:`pwrite_rows`."""
+        self._blocking("sync_pwrite_rows", "pwrite_rows", True)
         return transfer.run(thread_engine(), WRITEROWS, self, (buf, offsets), 0, self._params())
 
     def sync_fsync(self) -> None:
         """Blocking :meth:`fsync`."""
+        self._blocking("sync_fsync", "fsync", None)
         transfer.run(thread_engine(), FSYNC, self)
 
     # -- closing ---------------------------------------------------------------------

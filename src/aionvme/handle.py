@@ -29,12 +29,24 @@ from . import defaults
 from ._runtime import transfer
 from ._runtime.engines import HandleEngines
 from ._runtime.transfer import FDATASYNC, FSYNC, READ, READROWS, READV, WRITE, WRITEROWS, WRITEV
-from .exceptions import SettingTypeError
+from .exceptions import BlockingCallError, SettingTypeError
 from .file import File, PathLike
 
 __all__ = ["FileLike", "Handle"]
 
 FileLike = File | PathLike | int
+
+# the transfer op -> its name, for the error of a blocking call on a loop thread
+_SYNC_NAMES = {
+    READ: "pread",
+    WRITE: "pwrite",
+    READV: "pread_many",
+    WRITEV: "pwrite_many",
+    READROWS: "pread_rows",
+    WRITEROWS: "pwrite_rows",
+    FSYNC: "fsync",
+    FDATASYNC: "fsync",
+}
 
 # Handle's keyword names (public; Settings fields inside: see defaults.ALIASES).
 _KNOBS = frozenset(
@@ -252,6 +264,10 @@ class Handle:
         return transfer.submit(r, op, file, data, offset, self._params(), self._settings.direct)
 
     def _run(self, op: int, file: FileLike, data: Any = None, offset: int = 0) -> int:
+        if asyncio._get_running_loop() is not None and not getattr(file, "_loop_ok", False):
+            # a blocking call would stall this thread's loop: refused, as sync_load refuses
+            name = _SYNC_NAMES[op]
+            raise BlockingCallError(f"Handle.sync_{name}", f"Handle.{name}")
         eng, pooled = self._engines.take()
         try:
             return transfer.run(eng, op, file, data, offset, self._params(), self._settings.direct)

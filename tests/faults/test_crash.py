@@ -77,10 +77,10 @@ async def test_shutdown_at_each_commit_step(shutdown_fs, monkeypatch, step):
     target, durable = await _prepare(fs)
     real_replace, real_fsync_dir = os.replace, atomic.fsync_dir
 
-    def replace(src, dst):
+    def replace(src, dst, **dir_fds):
         if step == "before-rename":
             fs.shutdown(SHUTDOWN_NOLOGFLUSH)
-        return real_replace(src, dst)
+        return real_replace(src, dst, **dir_fds)
 
     def fsync_dir(directory):
         if step == "before-dir-fsync":

@@ -33,6 +33,7 @@ import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from ..exceptions import BlockingCallError
 from .reactor import serve_blocking_callers
 
 __all__ = [
@@ -58,10 +59,7 @@ def no_running_loop(name: str, instead: str) -> None:
         asyncio.get_running_loop()
     except RuntimeError:
         return
-    raise RuntimeError(
-        f"aionvme.{name}() blocks, and this thread runs an event loop: use `await aionvme.{instead}(...)` "
-        f"(or call {name} from another thread)"
-    )
+    raise BlockingCallError(f"aionvme.{name}", f"aionvme.{instead}")
 
 
 class BackgroundLoop:

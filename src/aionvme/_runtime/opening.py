@@ -188,13 +188,13 @@ def _service(
     return "direct", KERNEL_AIO, align, mem_align, None
 
 
-def _os_open(path: PathLike, flags: int) -> int:
+def _os_open(path: PathLike, flags: int, dir_fd: int | None = None, name: str | None = None) -> int:
     # O_NONBLOCK keeps open() of a FIFO from waiting for a writer; it is
     # cleared again for regular files and block devices.
     try:
-        return os.open(path, flags | os.O_CLOEXEC | os.O_NONBLOCK, 0o666)
+        return os.open(path, flags | os.O_CLOEXEC | os.O_NONBLOCK, 0o666, dir_fd=dir_fd)
     except OSError as e:
-        raise os_error(e.errno or errno.EIO, os.fsdecode(path), op="open") from None
+        raise os_error(e.errno or errno.EIO, name or os.fsdecode(path), op="open") from None
 
 
 def open_handle(
@@ -204,23 +204,34 @@ def open_handle(
     writable: bool,
     direct: bool | None = None,
     owner: object = None,
+    *,
+    dir_fd: int | None = None,
+    display: str | None = None,
 ) -> tuple[FileHandle, OpenInfo]:
-    """Open path for the engine: O_DIRECT when asked and possible, else buffered."""
+    """Open path for the engine: O_DIRECT when asked and possible, else buffered.
+
+    ``dir_fd``: path is relative to that open directory (openat), as for
+    ``os.open``; ``display``: the name errors and ``File.path`` show instead."""
     want_direct = defaults.settings.direct if direct is None else direct
-    name = os.fsdecode(path)
+    name = display if display is not None else os.fsdecode(path)
     reason = "O_DIRECT" if want_direct else "buffered I/O requested"
     fd = -1
     is_direct = False
     if want_direct:
         try:
-            fd = os.open(path, flags | os.O_DIRECT | os.O_CLOEXEC | os.O_NONBLOCK, 0o666)
+            fd = os.open(path, flags | os.O_DIRECT | os.O_CLOEXEC | os.O_NONBLOCK, 0o666, dir_fd=dir_fd)
             is_direct = True
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise os_error(e.errno or errno.EIO, name, op="open") from None
             reason = "the filesystem refuses O_DIRECT (EINVAL at open)"
+            if flags & os.O_CREAT and flags & os.O_EXCL:
+                # The exclusive create succeeded before O_DIRECT was refused
+                # (the check comes after the inode is made, in do_dentry_open):
+                # the file is ours; open it again, without following a link.
+                flags = (flags & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC)) | os.O_NOFOLLOW
     if fd < 0:
-        fd = _os_open(path, flags)
+        fd = _os_open(path, flags, dir_fd, name)
     try:
         st = fstatx(fd)
         mode = st["mode"]
@@ -234,7 +245,7 @@ def open_handle(
         if is_direct:
             action, kind, align, mem_align, why = _service(fd, st, fst, reopenable=True)
             if action == "buffered":
-                fd = _reopen_buffered(fd, path, flags)
+                fd = _reopen_buffered(fd, path, flags, dir_fd, name)
                 is_direct = False
             reason = why or reason
         h = FileHandle(fd, name, kind, is_direct, readable, writable, align, mem_align, _inode(st), owner)
@@ -244,9 +255,16 @@ def open_handle(
     return h, OpenInfo(is_direct, align, mem_align, fst, reason)
 
 
-def _reopen_buffered(fd: int, path: PathLike, flags: int) -> int:
-    """path opened again without O_DIRECT (the file exists now); fd is closed."""
-    reopened = _os_open(path, flags & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC))
+def _reopen_buffered(fd: int, path: PathLike, flags: int, dir_fd: int | None, name: str) -> int:
+    """The file open as fd opened again without O_DIRECT; fd is closed.
+
+    Through /proc/self/fd (the same inode, whatever happened to its name since);
+    by name where /proc is missing."""
+    flags &= ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC)
+    try:
+        reopened = os.open(f"/proc/self/fd/{fd}", (flags & ~os.O_NOFOLLOW) | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        reopened = _os_open(path, flags, dir_fd, name)
     os.close(fd)
     fcntl.fcntl(reopened, fcntl.F_SETFL, fcntl.fcntl(reopened, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     return reopened

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
 __all__ = ["main"]
 
@@ -20,12 +21,20 @@ _COMMANDS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr, exit status 2
+    (argparse's own print the whole usage first: 20 lines for ``bench``)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _module(name: str) -> object:
     return importlib.import_module(f"aionvme.cli.{name}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="aionvme", description="asyncio-native NVMe I/O for tensors")
+    parser = _Parser(prog="aionvme", description="asyncio-native NVMe I/O for tensors")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     available = {}
@@ -38,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         p = sub.add_parser(name, help=help_text, description=help_text)
         mod.add_parser(p)  # type: ignore[attr-defined]
+        p.set_defaults(parser=p)  # run() checks what argparse cannot, with p.error, before any work
         available[name] = mod
     args = parser.parse_args(argv)
     if args.version:

@@ -1,13 +1,75 @@
-"""What the subcommands share besides the bench package: a progress display."""
+"""What the subcommands share besides the bench package: a progress
+display, and the checks of their arguments (made before any work: a bad
+value is one line on stderr and exit status 2, argparse's way)."""
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from aionvme.bench.render import fit, human_bytes, terminal_width
 
-__all__ = ["Progress", "fit", "human_bytes", "terminal_width"]
+__all__ = [
+    "Progress",
+    "count",
+    "fit",
+    "human_bytes",
+    "need_directory",
+    "need_matplotlib",
+    "size",
+    "terminal_width",
+]
+
+
+def size(minimum: int = 1) -> Callable[[str], str]:
+    """An argparse ``type`` for a size (``4096``, ``64K``, ``1G``) of at
+    least ``minimum`` bytes; the text is kept as given."""
+
+    def check(text: str) -> str:
+        from aionvme.defaults import parse_size
+
+        try:
+            n = parse_size(text)
+        except (ValueError, TypeError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a size (like 4096, 64K, 1G)") from None
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be at least {minimum} byte(s)")
+        return text
+
+    return check
+
+
+def count(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type`` for an integer of at least ``minimum``."""
+
+    def check(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be at least {minimum}")
+        return n
+
+    return check
+
+
+def need_directory(parser: argparse.ArgumentParser, option: str, path: str | None) -> None:
+    """parser.error unless path (when given) is an existing directory."""
+    if path is not None and not os.path.isdir(path):
+        why = "does not exist" if not os.path.exists(path) else "is not a directory"
+        parser.error(f"{option} {path}: {why}")
+
+
+def need_matplotlib(parser: argparse.ArgumentParser) -> None:
+    """parser.error if --plot cannot be drawn: said before the sweep, not after."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        parser.error("--plot needs matplotlib (pip install 'aionvme[plot]')")
 
 
 class Progress:

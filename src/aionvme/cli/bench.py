@@ -7,15 +7,18 @@ prints what they measured; the measuring is all in the package.
 from __future__ import annotations
 
 import argparse
+import ast
+import inspect
 import os
 import sys
+import textwrap
 import time
 from typing import Any
 
 from aionvme import bench as B
 from aionvme.bench import render
 
-from ._common import Progress, fit, human_bytes, terminal_width
+from ._common import Progress, count, fit, human_bytes, need_directory, need_matplotlib, size, terminal_width
 
 DEFAULT = "seqread,seqwrite,randread"
 
@@ -29,19 +32,30 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         "--list shows them",
     )
     p.add_argument("--list", action="store_true", help="list the workloads and exit")
-    p.add_argument("--size", default="1G", help="file size for seq*/rand* and the formats' state dict (1G)")
+    p.add_argument(
+        "--size", default="1G", type=size(), help="file size for seq*/rand* and the formats' state dict (1G)"
+    )
     p.add_argument("--block-size", default=None, help="chunk size a request is split into (default 1M)")
-    p.add_argument("--queue-depth", type=int, default=None, help="chunks in flight per engine (default 128)")
+    p.add_argument(
+        "--queue-depth", type=count(1), default=None, help="chunks in flight per engine (default 128)"
+    )
     p.add_argument(
         "--parallelism",
-        type=int,
+        type=count(0),
         default=None,
         help="chunks of one request in flight (intra-op parallelism; default: no cap)",
     )
-    p.add_argument("--request-size", default="64M", help="seqread/seqwrite request size (64M, like a tensor)")
-    p.add_argument("--bs", default="4K", help="randread/randwrite transfer size (4K)")
-    p.add_argument("--iodepth", type=int, default=64, help="randread/randwrite operations in flight (64)")
-    p.add_argument("--ops", type=int, default=100_000, help="randread/randwrite operations (100000)")
+    p.add_argument(
+        "--request-size",
+        default="64M",
+        type=size(),
+        help="seqread/seqwrite request size (64M, like a tensor)",
+    )
+    p.add_argument("--bs", default="4K", type=size(), help="randread/randwrite transfer size (4K)")
+    p.add_argument(
+        "--iodepth", type=count(1), default=64, help="randread/randwrite operations in flight (64)"
+    )
+    p.add_argument("--ops", type=count(1), default=100_000, help="randread/randwrite operations (100000)")
     p.add_argument(
         "--mode",
         choices=("gather", "batch", "rows", "all", "both"),
@@ -49,11 +63,11 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         help="randread: coroutines awaiting one read each (gather), pread_many or pread_rows batches "
         "sharing --iodepth (batch, rows), or all three (all; 'both' is the same)",
     )
-    p.add_argument("--nfiles", type=int, default=1000, help="manyfiles: number of files (1000)")
-    p.add_argument("--file-size", default="1M", help="manyfiles: size of each (1M)")
+    p.add_argument("--nfiles", type=count(1), default=1000, help="manyfiles: number of files (1000)")
+    p.add_argument("--file-size", default="1M", type=size(), help="manyfiles: size of each (1M)")
     p.add_argument(
         "--misalign",
-        type=int,
+        type=count(0),
         default=0,
         help="seqread: shift buffers and file offsets by this many bytes (bounce path)",
     )
@@ -83,7 +97,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="let --file replace a file that holds other data (its content is lost)",
     )
-    p.add_argument("--repeat", type=int, default=1, help="runs of each workload; medians are reported")
+    p.add_argument("--repeat", type=count(1), default=1, help="runs of each workload; medians are reported")
     p.add_argument(
         "--sweep",
         default=None,
@@ -103,24 +117,102 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", action="store_true", help="keep the test files")
 
 
-def _workloads(spec: str) -> list[str]:
+def _workloads(spec: str, parser: argparse.ArgumentParser) -> list[str]:
     names = B.names(all_only=True) if spec == "all" else [w.strip() for w in spec.split(",") if w.strip()]
+    if not names:
+        parser.error(f"-w {spec!r}: no workload named")
     try:
         for n in names:
             B.get(n)
     except B.UnknownWorkloadError as e:
-        raise SystemExit(f"aionvme bench: {e}") from None
+        parser.error(str(e))
     return names
 
 
-def _options(pairs: list[str]) -> dict[str, str]:
+def _options(pairs: list[str], parser: argparse.ArgumentParser | None = None) -> dict[str, str]:
     out = {}
     for kv in pairs:
         key, eq, value = kv.partition("=")
-        if not eq or not key:
-            raise SystemExit(f"aionvme bench: -o wants KEY=VALUE, got {kv!r}")
+        if not eq or not key.strip():
+            msg = f"-o wants KEY=VALUE, got {kv!r}"
+            if parser is None:
+                raise SystemExit(f"aionvme bench: {msg}")
+            parser.error(msg)
         out[key.strip()] = value.strip()
     return out
+
+
+def _options_read(name: str) -> set[str] | None:
+    """The -o keys workload ``name`` reads (``ctx.option("key", ...)`` in its
+    source), or None where that cannot be told (its source cannot be read, or
+    it reads ``ctx.options`` itself): then any key goes."""
+    try:
+        fn = B.get(name).load()
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError, ImportError, AttributeError):
+        return None
+    if any(isinstance(node, ast.Attribute) and node.attr == "options" for node in ast.walk(tree)):
+        return None
+    return {
+        node.args[0].value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "option"
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+    }
+
+
+def _check(
+    args: argparse.Namespace, names: list[str], settings: dict[str, Any]
+) -> tuple[str | None, list[str]]:
+    """Everything about the arguments that can be wrong, before any work:
+    parser.error (one line, exit status 2) on the first problem. Returns the
+    sweep (setting name or None, its values)."""
+    from aionvme import defaults
+    from aionvme.exceptions import InvalidSettingError
+
+    parser: argparse.ArgumentParser = args.parser
+    need_directory(parser, "--dir", args.dir)
+    if args.file is not None:
+        need_directory(parser, "--file's directory", os.path.dirname(os.path.abspath(args.file)))
+    options = _options(args.option, parser)
+    if options:
+        read: set[str] = set()
+        for n in names:
+            keys = _options_read(n)
+            if keys is None:
+                read = set(options)
+                break
+            read |= keys
+        ignored = sorted(set(options) - read)
+        if ignored:
+            which = ", ".join(f"-o {k}" for k in ignored)
+            takes = ", ".join(sorted(read)) or "none"
+            parser.error(f"{which}: not read by {','.join(names)} (the options they read: {takes})")
+    sweep_name: str | None = None
+    sweep_values: list[str] = []
+    if args.sweep:
+        sweep_name, _, vals = args.sweep.partition("=")
+        sweep_values = [v for v in vals.split(",") if v]
+        if not sweep_name or not sweep_values:
+            parser.error("--sweep needs NAME=V1,V2,...")
+    if args.plot and not args.sweep:
+        parser.error("--plot needs --sweep")
+    for sv in sweep_values or [""]:
+        s = dict(settings)
+        if sweep_name:
+            s[sweep_name] = sv
+        try:
+            with defaults.set(**s):
+                pass
+        except InvalidSettingError as e:
+            parser.error(str(e))
+    if args.plot:
+        need_matplotlib(parser)
+    return sweep_name, sweep_values
 
 
 def _context(args: argparse.Namespace, workdir: str, mode: str) -> B.Context:
@@ -167,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from aionvme import defaults
 
-    names = _workloads(args.workload)
+    names = _workloads(args.workload, args.parser)
     settings: dict[str, Any] = {}
     for key in ("block_size", "queue_depth", "direct", "engine"):
         v = getattr(args, key)
@@ -175,15 +267,8 @@ def _run(args: argparse.Namespace) -> int:
             settings[key] = v
     if args.parallelism is not None:
         settings["max_inflight"] = args.parallelism
-    sweep_name: str | None = None
-    sweep_values: list[Any] = [None]
-    if args.sweep:
-        sweep_name, _, vals = args.sweep.partition("=")
-        sweep_values = [v for v in vals.split(",") if v]
-        if not sweep_values:
-            raise SystemExit("aionvme bench: --sweep needs NAME=V1,V2,...")
-    if args.plot and not args.sweep:
-        raise SystemExit("aionvme bench: --plot needs --sweep")
+    sweep_name, checked = _check(args, names, settings)
+    sweep_values: list[Any] = list(checked) if sweep_name else [None]
 
     plan: list[tuple[Any, str, str]] = []
     for sv in sweep_values:
@@ -296,6 +381,10 @@ def _gpu_results(args: argparse.Namespace) -> list[B.Result]:
 
 
 def _run_gpu(args: argparse.Namespace) -> int:
+    bad = [w.strip() for w in args.gpu_ways.split(",") if w.strip() and w.strip() not in B.GPU_WAYS]
+    if bad:
+        args.parser.error(f"unknown --gpu-ways: {', '.join(bad)} (known: {', '.join(B.GPU_WAYS)})")
+    need_directory(args.parser, "--dir", args.dir)
     why = B.cuda_unavailable()
     if why:
         print(f"aionvme bench: --gpu needs a CUDA device: {why}", file=sys.stderr)

@@ -21,13 +21,15 @@ from aionvme import bench as B
 from aionvme.bench import render
 from aionvme.bench.tune import GRIDS, REQUESTS, Point, Sweep, TuneFile, config_of
 
-from ._common import Progress, fit, human_bytes, terminal_width
+from ._common import Progress, fit, human_bytes, need_matplotlib, size, terminal_width
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", required=True, help="directory on the device to tune (a scratch file goes there)")
     p.add_argument("--quick", action="store_true", help="coarse sweep on a 256 MiB file (under a minute)")
-    p.add_argument("--size", default=None, help="scratch file size (default 256M with --quick, else 1G)")
+    p.add_argument(
+        "--size", default=None, type=size(4096), help="scratch file size (default 256M with --quick, else 1G)"
+    )
     p.add_argument(
         "--gpu",
         action="store_true",
@@ -68,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.dir):
         print(f"aionvme tune: --dir {args.dir} is not a directory")
         return 2
+    if args.plot:
+        need_matplotlib(args.parser)  # said now, not after the sweep
     grid = GRIDS[args.grid or ("quick" if args.quick else "full")]
     size = parse_size(args.size) if args.size else grid.size
     free = shutil.disk_usage(args.dir).free

@@ -188,7 +188,8 @@ async def _write_file(path: str, layout: _Layout, sync: bool) -> None:
     items: list[tuple[Any, int]] = list(layout.bodies)
     items += layout.pages.buffers()
     items.sort(key=lambda it: it[1])
-    f = File(path, "w", block_size=defaults.bulk_write_block())
+    # "x": a fresh, randomly named file; O_EXCL never follows a link planted at its name
+    f = File(path, "x", block_size=defaults.bulk_write_block())
     try:
         if items:
             await f.pwrite_many(items)
