@@ -5,8 +5,8 @@ loader then reads only the tensors' byte ranges."""
 from __future__ import annotations
 
 import ast
-import math
 import json
+import math
 import os
 import struct
 from typing import Any
