@@ -24,7 +24,7 @@ from ._errors import CorruptDatasetError, DatasetChangedError, DatasetError, Uns
 from ._loader import Loader
 from ._memory import BudgetError, BudgetWarning
 from ._order import epoch_order, rank_part
-from ._writer import PaddingWarning, sync_write_dataset, write_dataset
+from ._writer import sync_write_dataset, write_dataset
 
 __all__ = [
     "BudgetError",
@@ -34,7 +34,6 @@ __all__ = [
     "DatasetChangedError",
     "DatasetError",
     "Loader",
-    "PaddingWarning",
     "TorchIterable",
     "UnsupportedDatasetError",
     "epoch_order",

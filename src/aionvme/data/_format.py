@@ -3,8 +3,14 @@
 Directory::
 
     index.aionvme          written last: its presence means the dataset is complete
-    shard-00000.bin        4096-byte header, then each sample's fields, each
-    shard-00001.bin        starting on a 4096-byte boundary (O_DIRECT, zero-copy)
+    shard-00000.bin        4096-byte header, then each sample's fields: a field
+    shard-00001.bin        over 2048 bytes starts on a 4096-byte boundary (O_DIRECT,
+                           zero-copy), smaller ones are packed into shared pages,
+                           never across a page boundary
+
+The index gives every field's offset, so where the writer puts a field is not
+part of the format: readers of version 1 read packed shards as they are
+(checked against the reader from before packing), hence no version bump.
 
 Shard header (little-endian): magic ``AIONVSHD``, u32 format version, u32 shard
 number, 16-byte dataset id (a random UUID, also in the index: a shard from
