@@ -113,7 +113,9 @@ class Loader:
     batch is the next one handed out (also to a new ``async for``). Closing
     (``aclose``, ``close``, the end of a ``for`` loop, a new pass) waits for
     the reads in flight before batch memory is reused: the kernel never
-    writes into memory the loader has handed out again.
+    writes into memory the loader has handed out again. ``break`` out of
+    ``async for`` needs no ``aclose``: the dropped iterator schedules its
+    pass's close on its loop; a loader dropped unclosed closes its files.
 
     **Changed files.** Every file's size, mtime and inode recorded when the
     dataset was opened are checked again at the start of each pass and when
