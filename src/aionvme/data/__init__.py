@@ -21,12 +21,14 @@ from typing import Any
 from ._batch import pad_batch
 from ._dataset import Dataset
 from ._errors import CorruptDatasetError, DatasetChangedError, DatasetError, UnsupportedDatasetError
-from ._loader import BudgetError, Loader
+from ._loader import Loader
+from ._memory import BudgetError, BudgetWarning
 from ._order import epoch_order, rank_part
 from ._writer import sync_write_dataset, write_dataset
 
 __all__ = [
     "BudgetError",
+    "BudgetWarning",
     "CorruptDatasetError",
     "Dataset",
     "DatasetChangedError",

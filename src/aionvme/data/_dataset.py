@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from .._runtime.background import run as run_blocking
 from ..memory import empty
 from ._batch import BatchPlan
 from ._errors import DatasetError, UnsupportedDatasetError
@@ -166,8 +167,17 @@ class Dataset:
         return _single(plan.assemble(self.layout, buf, tensors))
 
     def sync_get(self, i: int, *, verify: bool = True, tensors: str = "torch") -> dict[str, Any]:
-        """Blocking twin of :meth:`get` (runs it on a private event loop)."""
-        return asyncio.run(self.get(i, verify=verify, tensors=tensors))
+        """Blocking twin of :meth:`get`, on aionvme's background loop.
+
+        Raises RuntimeError on a thread whose event loop is running (it would
+        stall that loop): there, ``await ds.get(i)``."""
+        return run_blocking(
+            "data.Dataset.sync_get", "data.Dataset.get", self.get(i, verify=verify, tensors=tensors)
+        )
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        """``ds[i]``: :meth:`sync_get` (checksums verified, torch tensors)."""
+        return self.sync_get(i)
 
     def close(self) -> None:
         with self._lock:

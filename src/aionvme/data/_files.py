@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import os
 import struct
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ._errors import CorruptDatasetError, UnsupportedDatasetError
-from ._layout import Field, FileStat, Layout
+from ._layout import Field, FileStat, Layout, open_member
 
 # safetensors dtype names -> storage names (numpy names, or torch's for the rest)
 _ST_DTYPES = {
@@ -48,6 +49,8 @@ def _npy_header(path: str, fd: int) -> tuple[str, int, tuple[int, ...], int]:
     else:
         (hlen,) = struct.unpack("<I", head[8:12])
         start = 12
+    if hlen > 1 << 20:
+        raise CorruptDatasetError(f".npy header of {hlen} bytes", path)
     if start + hlen > len(head):
         head = os.pread(fd, start + hlen, 0)
     try:
@@ -55,8 +58,10 @@ def _npy_header(path: str, fd: int) -> tuple[str, int, tuple[int, ...], int]:
         dt = np.dtype(d["descr"])
         shape = tuple(int(x) for x in d["shape"])
         fortran = bool(d["fortran_order"])
-    except (ValueError, SyntaxError, KeyError, TypeError) as e:
+    except (ValueError, SyntaxError, KeyError, TypeError, RecursionError, MemoryError) as e:
         raise CorruptDatasetError(f".npy header does not parse: {e!r}", path) from None
+    if any(x < 0 for x in shape):
+        raise CorruptDatasetError(f".npy shape {shape}", path)
     if dt.hasobject or dt.kind not in "biufc" or not dt.isnative:
         raise UnsupportedDatasetError(f".npy dtype {dt.str} (need a native-order numeric dtype)", path)
     if fortran and sum(1 for x in shape if x > 1) > 1:
@@ -76,8 +81,10 @@ def _safetensors_header(path: str, fd: int) -> tuple[dict[str, Any], int]:
         raise CorruptDatasetError("safetensors header truncated", path)
     try:
         h = json.loads(raw)
-    except ValueError as e:
-        raise CorruptDatasetError(f"safetensors header is not JSON: {e}", path) from None
+    except (ValueError, RecursionError) as e:
+        raise CorruptDatasetError(f"safetensors header is not JSON: {type(e).__name__}: {e}", path) from None
+    if not isinstance(h, dict):
+        raise CorruptDatasetError("safetensors header is not a JSON object", path)
     h.pop("__metadata__", None)
     return h, 8 + n
 
@@ -85,19 +92,20 @@ def _safetensors_header(path: str, fd: int) -> tuple[dict[str, Any], int]:
 def read_layout(root: str, kind: str, key: str = "data") -> Layout:
     """Open a directory of .npy (kind "npy") or .safetensors (kind "safetensors") files."""
     suffix = ".npy" if kind == "npy" else ".safetensors"
+    real_root = os.path.realpath(root)
     names = sorted(e.name for e in os.scandir(root) if e.name.endswith(suffix) and e.is_file())
-    files = [os.path.join(root, x) for x in names]
+    files = [os.path.join(real_root, x) for x in names]
     n = len(files)
     stats: list[FileStat] = []
     per: dict[str, dict[str, list[Any]]] = {}
     dtypes: dict[str, tuple[str, int, int]] = {}
     for i, path in enumerate(files):
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        path, fd, st = open_member(real_root, names[i], path, "file")  # no symbolic link out
+        files[i] = path
         try:
-            st = os.fstat(fd)
             if kind == "npy":
                 dt, isz, shape, off = _npy_header(path, fd)
-                entries = {key: (dt, isz, shape, off, off + isz * int(np.prod(shape)))}
+                entries = {key: (dt, isz, shape, off, off + isz * math.prod(shape))}
             else:
                 h, base = _safetensors_header(path, fd)
                 entries = {}
@@ -106,12 +114,14 @@ def read_layout(root: str, kind: str, key: str = "data") -> Layout:
                         dt = _ST_DTYPES[t["dtype"]]
                         shape = tuple(int(x) for x in t["shape"])
                         b, e = (int(x) for x in t["data_offsets"])
+                        if min(shape, default=0) < 0 or not 0 <= b <= e:
+                            raise ValueError
                     except (KeyError, TypeError, ValueError):
                         raise UnsupportedDatasetError(
                             f"safetensors tensor {name!r}: {t!r}", path, i
                         ) from None
                     isz = _ST_ITEMSIZE.get(dt) or np.dtype(dt).itemsize
-                    if e - b != isz * int(np.prod(shape)):
+                    if e - b != isz * math.prod(shape):
                         raise CorruptDatasetError(
                             f"safetensors tensor {name!r}: size does not match shape", path, i
                         )

@@ -8,19 +8,69 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import stat
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from ..file import File
-from ._errors import DatasetChangedError
+from ._errors import CorruptDatasetError, DatasetChangedError
 
 ALIGN = 4096  # field alignment in shards and batch buffers: O_DIRECT on every device
 
 
 def round_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
+
+
+def open_member(root: str, name: object, where: str, what: str) -> tuple[str, int, os.stat_result]:
+    """Open a file an index names, confined to the dataset directory.
+
+    ``root`` is the directory's real path; ``name`` comes from an untrusted
+    index. Refused (:class:`CorruptDatasetError` naming ``where``): a name
+    that is not a non-empty relative path, one with a ``..`` part, one
+    that resolves (through symbolic links) outside ``root``, and anything
+    but a regular file (a FIFO would block the open). The file is opened
+    without following a link in its last part (``O_NOFOLLOW``), so a link
+    swapped in after the check is refused, and ``O_NONBLOCK`` (a FIFO
+    swapped in opens without blocking, then fails the regular-file check).
+    Returns (real path, fd, fstat of that fd); FileNotFoundError passes
+    through for the caller to word.
+    """
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise CorruptDatasetError(f"{what} {name!r} is not a file name", where)
+    if os.path.isabs(name) or ".." in name.replace(os.sep, "/").split("/"):
+        raise CorruptDatasetError(f"{what} {name!r} is outside the dataset directory", where)
+    real = os.path.realpath(os.path.join(root, name))
+    if os.path.commonpath([real, root]) != root or real == root:
+        raise CorruptDatasetError(f"{what} {name!r} leads outside the dataset directory (to {real})", where)
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if isinstance(e, FileNotFoundError):
+            raise
+        raise CorruptDatasetError(f"{what} {name!r} cannot be opened: {e.strerror}", real) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise CorruptDatasetError(f"{what} {name!r} is not a regular file", real)
+    return real, fd, st
+
+
+def read_member(root: str, name: str, what: str) -> tuple[str, bytes]:
+    """A whole file of the dataset (an index), confined as :func:`open_member`."""
+    real, fd, _ = open_member(root, name, os.path.join(root, name), what)
+    try:
+        parts = []
+        while True:
+            b = os.read(fd, 1 << 20)
+            if not b:
+                break
+            parts.append(b)
+    finally:
+        os.close(fd)
+    return real, b"".join(parts)
 
 
 @dataclasses.dataclass

@@ -18,13 +18,16 @@ refused. Compressed shards are read where their decompressed file is present.
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
 import numpy as np
 
 from ._errors import CorruptDatasetError, UnsupportedDatasetError
-from ._layout import Decoded, DecodedField, Field, FileStat, Layout
+from ._layout import Decoded, DecodedField, Field, FileStat, Layout, open_member, read_member
+
+_MALFORMED = (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError, RecursionError)
 
 _SCALARS = {
     "uint8",
@@ -58,7 +61,11 @@ _SHAPE_DTYPES = {0: "uint8", 1: "uint16", 2: "uint32", 3: "uint64"}
 class _Column:
     """One MDS column: how to decode it, and whether it has a fixed dtype and shape."""
 
-    def __init__(self, name: str, encoding: str, size: int | None, where: str) -> None:
+    def __init__(self, name: object, encoding: object, size: object, where: str) -> None:
+        if not isinstance(name, str) or not isinstance(encoding, str):
+            raise CorruptDatasetError(f"MDS column {name!r} with encoding {encoding!r}", where)
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+            raise CorruptDatasetError(f"MDS column {name!r} has size {size!r}", where)
         self.name = name
         self.encoding = encoding
         self.size = size
@@ -74,13 +81,24 @@ class _Column:
             if dt and dt not in _VALUE_DTYPES.values():
                 raise UnsupportedDatasetError(f"MDS column {name!r}: ndarray dtype {dt!r}", where)
             self.dtype = dt or None
-            self.shape = tuple(int(x) for x in shp.split(",")) if shp else None
+            try:
+                self.shape = tuple(int(x) for x in shp.split(",")) if shp else None
+            except ValueError:
+                self.shape = (-1,)
+            if self.shape is not None and (min(self.shape, default=0) < 0 or len(self.shape) > 32):
+                raise CorruptDatasetError(f"MDS column {name!r}: shape in {encoding!r}", where)
         elif encoding not in ("bytes", "str", "json", "str_int", "str_float"):
             raise UnsupportedDatasetError(
                 f"MDS column {name!r} has encoding {encoding!r}; supported: bytes, str, int, json, "
                 "str_int, str_float, uint8..float64, ndarray[:dtype[:shape]]",
                 where,
             )
+        if self.fixed and size is not None:
+            want = np.dtype(self.dtype).itemsize * math.prod(self.shape or ())
+            if size != want:
+                raise CorruptDatasetError(
+                    f"MDS column {name!r} ({encoding}) has size {size}, its dtype and shape {want}", where
+                )
 
     @property
     def fixed(self) -> bool:
@@ -117,15 +135,73 @@ class _Column:
         return np.frombuffer(data[i:], dtype=dtype).reshape(shape).copy()
 
 
-def read_layout(root: str) -> Layout:
-    """Open an MDS directory: index.json, then every shard's header and size."""
-    index_path = os.path.join(root, "index.json")
+def _int(v: object, what: str, where: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise CorruptDatasetError(f"MDS {what} is {v!r}, not an int >= 0", where)
+    return v
+
+
+def _shard(
+    real_root: str, si: int, sh: object, index_path: str
+) -> tuple[str, os.stat_result, int, list[Any]]:
+    """Shard si of index.json, opened and checked: (path, stat, header bytes, column specs)."""
+    if not isinstance(sh, dict):
+        raise CorruptDatasetError(f"MDS shard {si} is {sh!r}, not an object", index_path)
+    if sh.get("format") != "mds" or sh.get("version") != 2:
+        raise UnsupportedDatasetError(
+            f"shard {si} is format {sh.get('format')!r} version {sh.get('version')!r}, not mds 2",
+            index_path,
+        )
+    raw = sh.get("raw_data")
+    if not isinstance(raw, dict) or "basename" not in raw:
+        why = "compressed, and its decompressed file is not here" if sh.get("zip_data") else "missing"
+        raise UnsupportedDatasetError(f"MDS shard {si} is {why}", index_path)
     try:
-        with open(index_path, "rb") as fh:
-            index = json.loads(fh.read())
-        shards = index["shards"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise CorruptDatasetError(f"MDS index.json is malformed: {e!r}", index_path) from None
+        path, fd, st = open_member(real_root, raw["basename"], index_path, f"MDS shard {si}")
+    except FileNotFoundError:
+        why = "compressed, and its decompressed file is not here" if sh.get("zip_data") else "missing"
+        raise UnsupportedDatasetError(
+            f"MDS shard {si} is {why}", os.path.join(real_root, str(raw["basename"]))
+        ) from None
+    try:
+        specs = [sh.get("column_names"), sh.get("column_encodings"), sh.get("column_sizes")]
+        if not all(isinstance(x, list) for x in specs) or len({len(x) for x in specs}) != 1:  # type: ignore[arg-type]
+            raise CorruptDatasetError(f"MDS shard {si}: column names, encodings and sizes", index_path)
+        if raw.get("bytes") is not None and st.st_size != raw["bytes"]:
+            raise CorruptDatasetError(
+                f"MDS shard is {st.st_size} bytes, index.json says {raw['bytes']!r} (truncated or replaced)",
+                path,
+            )
+        n = _int(sh.get("samples"), f"shard {si} sample count", index_path)
+        need = 4 * (n + 2)
+        if need > st.st_size:
+            raise CorruptDatasetError(f"MDS shard of {st.st_size} bytes cannot hold {n} samples", path)
+        head = os.pread(fd, need, 0)
+    finally:
+        os.close(fd)
+    if len(head) < need:
+        raise CorruptDatasetError("MDS shard header truncated", path)
+    return path, st, n, [head, *specs]
+
+
+def read_layout(root: str) -> Layout:
+    """Open an MDS directory: index.json, then every shard's header and size.
+
+    index.json is untrusted: every file it names is confined to ``root`` (no
+    absolute path, no ``..``, no symbolic link out: ``open_member``), and
+    any malformed part raises :class:`CorruptDatasetError` (or
+    :class:`UnsupportedDatasetError` for what is valid but not read here)."""
+    real_root = os.path.realpath(root)
+    index_path, data = read_member(real_root, "index.json", "MDS index.json")
+    try:
+        index = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise CorruptDatasetError(
+            f"MDS index.json is not JSON: {type(e).__name__}: {e}", index_path
+        ) from None
+    shards = index.get("shards") if isinstance(index, dict) else None
+    if not isinstance(shards, list):
+        raise CorruptDatasetError("MDS index.json has no list of shards", index_path)
     files: list[str] = []
     stats: list[FileStat] = []
     begins: list[np.ndarray[Any, Any]] = []
@@ -133,35 +209,12 @@ def read_layout(root: str) -> Layout:
     shard_of: list[np.ndarray[Any, Any]] = []
     columns: list[_Column] | None = None
     for si, sh in enumerate(shards):
-        if sh.get("format") != "mds" or sh.get("version") != 2:
-            raise UnsupportedDatasetError(
-                f"shard {si} is format {sh.get('format')!r} version {sh.get('version')!r}, not mds 2",
-                index_path,
-            )
-        raw = sh.get("raw_data") or {}
-        path = os.path.join(root, raw.get("basename", ""))
-        if not raw or not os.path.isfile(path):
-            why = "compressed, and its decompressed file is not here" if sh.get("zip_data") else "missing"
-            raise UnsupportedDatasetError(f"MDS shard {si} is {why}", path)
-        cols = [
-            _Column(n, e, s, path)
-            for n, e, s in zip(sh["column_names"], sh["column_encodings"], sh["column_sizes"])
-        ]
+        path, st, n, (head, names, encodings, sizes) = _shard(real_root, si, sh, index_path)
+        cols = [_Column(nm, e, sz, path) for nm, e, sz in zip(names, encodings, sizes)]
         if columns is None:
             columns = cols
         elif [(c.name, c.encoding) for c in cols] != [(c.name, c.encoding) for c in columns]:
             raise UnsupportedDatasetError("MDS shards have different columns", path)
-        st = os.stat(path)
-        if raw.get("bytes") is not None and st.st_size != raw["bytes"]:
-            raise CorruptDatasetError(
-                f"MDS shard is {st.st_size} bytes, index.json says {raw['bytes']} (truncated or replaced)",
-                path,
-            )
-        n = int(sh["samples"])
-        with open(path, "rb", buffering=0) as fb:
-            head = fb.read(4 * (n + 2))
-        if len(head) < 4 * (n + 2):
-            raise CorruptDatasetError("MDS shard header truncated", path)
         count = int(np.frombuffer(head, np.uint32, 1)[0])
         offsets = np.frombuffer(head, np.uint32, n + 1, 4).astype(np.int64)
         if count != n:
@@ -238,7 +291,7 @@ def read_layout(root: str) -> Layout:
             if i != len(data):
                 raise ValueError(f"{len(data) - i} bytes after the last column")
             return out
-        except (ValueError, KeyError, IndexError, UnicodeDecodeError) as e:
+        except _MALFORMED as e:  # (UnicodeDecodeError is a ValueError)
             raise CorruptDatasetError(
                 f"MDS sample does not decode: {e}", files[int(file[sample])], sample
             ) from None

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch.utils.data
 
-from ._loader import Loader
-
 __all__ = ["TorchIterable"]
+
+
+class _Resumable(Protocol):
+    """What TorchIterable needs of a loader (a :class:`~aionvme.data.Loader`;
+    named by its methods, so this module does not import the loader's)."""
+
+    def __iter__(self) -> Iterator[dict[str, Any]]: ...
+    def __len__(self) -> int: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def set_epoch(self, epoch: int) -> None: ...
 
 
 class TorchIterable(torch.utils.data.IterableDataset):  # type: ignore[misc,type-arg,unused-ignore]
@@ -28,7 +37,7 @@ class TorchIterable(torch.utils.data.IterableDataset):  # type: ignore[misc,type
     sample once per worker; iterating in a worker raises instead.
     """
 
-    def __init__(self, loader: Loader) -> None:
+    def __init__(self, loader: _Resumable) -> None:
         super().__init__()
         self.loader = loader
 
