@@ -26,7 +26,7 @@ from ..memory import empty
 from ..store import StoreTimeoutError, TieredStore
 from ._index import Entry, WeightIndex, read_index
 from ._loop import LoopThread
-from ._planner import BudgetError, Ledger, ResidencyPlan, plan_residency, upcoming
+from ._planner import BudgetError, InferenceOnlyError, Ledger, ResidencyPlan, plan_residency, upcoming
 
 __all__ = ["Streamer", "stream", "streamer_of"]
 
@@ -399,12 +399,15 @@ class Streamer:
     def _pass_begin(self, module: nn.Module, args: Any) -> None:
         if self._closed:
             raise RuntimeError("this model's streamer is closed")
+        _inference_only()
         self._recording = []
         self._pos = 0
         self._top_up()
 
     def _pass_end(self, module: nn.Module, args: Any, out: Any) -> None:
         rec, self._recording = self._recording, None
+        if rec is None:
+            return  # refused as it began (always_call runs this hook even then)
         self.passes += 1
         if rec and rec != self.schedule:
             # The first pass tells the real order (the module order was a guess).
@@ -418,6 +421,7 @@ class Streamer:
 
     def acquire(self, u: _Unit) -> None:
         """Make ``u`` resident and bound to the model (pre-forward)."""
+        _inference_only()  # a block called on its own, outside a pass
         if self._recording is not None and (not self._recording or self._recording[-1] != u.id):
             self._recording.append(u.id)
         n = len(self.schedule)
@@ -738,6 +742,19 @@ class Streamer:
             delattr(self.model, _ATTR)
 
 
+def _inference_only() -> None:
+    """InferenceOnlyError unless autograd is off: a pass under grad mode would
+    build a graph over weights released as soon as their block has run, and
+    ``backward()`` would fail on torch's "does not require grad" (or, with an
+    input that requires grad, read weights that are gone)."""
+    if torch.is_grad_enabled():
+        raise InferenceOnlyError(
+            "aionvme.offload.stream() runs models for inference only (each block's weights are released "
+            "once it has run, so there is no backward pass through them); autograd is on: run the model "
+            "under torch.inference_mode() or torch.no_grad()"
+        )
+
+
 def _itemsize(dtype_name: str) -> int:
     return int(torch.empty(0, dtype=getattr(torch, dtype_name)).element_size())
 
@@ -792,6 +809,8 @@ def stream(
     ------
     BudgetError
         The budget cannot hold the largest block.
+    InferenceOnlyError
+        Later, from ``model(inputs)`` under grad mode (not raised by ``stream``).
     TensorNotFoundError
         A meta-device parameter or buffer has no tensor in the checkpoint.
 
@@ -816,8 +835,9 @@ def stream(
     first pass records the order in which blocks run; the residency plan
     pins as many blocks as the budget allows (all of them when the model
     fits, so later passes do no I/O). Streaming is for inference: parameters
-    are set to ``requires_grad=False``; run under ``torch.no_grad()`` or
-    ``torch.inference_mode()`` so autograd does not keep released weights alive.
+    are set to ``requires_grad=False``, and a forward with autograd on raises
+    :class:`InferenceOnlyError` before anything is read; run under
+    ``torch.no_grad()`` or ``torch.inference_mode()``.
     """
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
