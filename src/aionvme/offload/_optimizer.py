@@ -85,9 +85,9 @@ class Optimizer(torch.optim.Optimizer):
         do not depend on it: the optimizers' updates are elementwise).
         Default: one less than torch's setting (at least one), leaving a
         core to the I/O thread: an OpenMP team one of whose threads loses its
-        core waits at every operation's barrier (measured on 2 vCPUs with the
-        other core busy: AdamW's step 0.05-0.1 s with one thread, 0.5-1.4 s
-        with two). 0: torch's setting as it is.
+        core waits at every operation's barrier (``aionvme bench -w offload``'s
+        step in memory, 4M parameters on 2 vCPUs with the other core busy:
+        0.06 s on one thread, 0.81 s on two). 0: torch's setting as it is.
     backend : {"auto", "store", "file"}
         Where streamed state goes: the NVMe tier of an
         :class:`aionvme.TieredStore` (``"store"``, and ``"auto"``), or one
