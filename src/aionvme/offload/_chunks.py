@@ -183,14 +183,17 @@ ADAM = Layout((4, 4), 1)  # the guess when the optimizer cannot be probed: fp32 
 
 
 def layout_of(
-    make: Callable[[list[dict[str, Any]]], torch.optim.Optimizer], group: dict[str, Any], dtype: torch.dtype
+    make: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
+    group: dict[str, Any],
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> Layout:
     """The state layout of a fresh optimizer (``make(param_groups)``) with
-    ``group``'s options, for a parameter of ``dtype``: measured by one step
+    ``group``'s options, for a parameter of ``dtype`` on ``device``: measured by one step
     on a zero gradient of a :data:`_PROBE`-element parameter (made and
     dropped here). :data:`ADAM` where that step fails (an optimizer that
     needs a closure, say)."""
-    p = torch.zeros(_PROBE, dtype=dtype, requires_grad=True)
+    p = torch.zeros(_PROBE, dtype=dtype, device=device, requires_grad=True)
     p.grad = torch.zeros_like(p)
     try:
         probe = make([{**{k: v for k, v in group.items() if k != "params"}, "params": [p]}])

@@ -223,14 +223,14 @@ class Optimizer(torch.optim.Optimizer):
         a chunk is stepped whole in memory, so such a step would go over it.
         The state's layout is the wrapped optimizer's own, measured on a small
         parameter per group and dtype (see :func:`layout_of`)."""
-        layouts: dict[tuple[int, torch.dtype], Layout] = {}
+        layouts: dict[tuple[int, torch.dtype, torch.device], Layout] = {}
 
         def state_bytes(gi: int, p: torch.Tensor) -> int:
             low = self._is_low(p)
-            dtype = torch.float32 if low else p.dtype
-            if (gi, dtype) not in layouts:
-                layouts[gi, dtype] = layout_of(self._make, self.param_groups[gi], dtype)
-            n = layouts[gi, dtype].nbytes(p.numel())
+            key = (gi, torch.float32 if low else p.dtype, p.device)
+            if key not in layouts:
+                layouts[key] = layout_of(self._make, self.param_groups[gi], *key[1:])
+            n = layouts[key].nbytes(p.numel())
             return n + Layout((4,), 0).nbytes(p.numel()) if low else n  # the fp32 master
 
         need, smallest, which = smallest_budget(
