@@ -240,15 +240,18 @@ class Optimizer(torch.optim.Optimizer):
             return
         p = which.parent if which.parent is not None else which.params[0][1]
         what = f"a {tuple(p.shape)} {str(p.dtype).removeprefix('torch.')} parameter"
-        if which.parent is None and len(which.params) > 1:
+        if which.parent is not None:
+            what = f"a piece of {what}"
+        elif len(which.params) > 1:
             what = f"{len(which.params)} parameters, the first {what}"
         elif not p.is_contiguous():
             what += " (not contiguous: it cannot be cut into pieces)"
+        fixed = "" if self._chunk is None else " at this chunk_size; or a smaller chunk_size"
         raise BudgetError(
             f"budget={self.budget} bytes cannot hold the optimizer state of the largest chunk "
             f"({what}: {need} bytes, whole in memory while it is stepped); "
             f"the smallest budget that works for these parameters is {smallest} bytes "
-            f"({size_text(smallest)!r})"
+            f"({size_text(smallest)!r}{fixed})"
         )
 
     def _rechunk(self) -> None:
