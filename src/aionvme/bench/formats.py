@@ -45,7 +45,7 @@ from .. import empty
 from .. import pread as nvme_pread
 from .peers import fio, fio_unavailable
 from .result import Result
-from .system import cold, drop_caches
+from .system import drop_caches, make_cold
 from .timer import Timer
 
 __all__ = ["FORMAT_BASELINES", "checkpoint", "safetensors", "transformer_state_dict"]
@@ -128,12 +128,12 @@ async def _timed(fn: Callable[[], Awaitable[Any]]) -> float:
 
 
 async def _cold_load(load: Callable[[], Awaitable[Any]], path: str, pause: float) -> tuple[Timer, Any, int]:
-    """Make reading ``path`` cold (:func:`~aionvme.bench.system.cold`), idle
+    """Make reading ``path`` cold (:func:`~aionvme.bench.system.make_cold`), idle
     ``pause`` seconds, then time loading and touching every page of the
     tensors; the timer, what was loaded (a dict of tensors, or a checkpoint
     with "model") and the bytes of ``path`` that were still cached."""
     gc.collect()  # what an earlier load returned unmaps the file, whose pages can then go
-    cached = cold(path)
+    cached = make_cold(path)
     if pause:
         await asyncio.sleep(pause)  # let a VM hand freed memory back to its host, as between jobs
     with Timer() as t:

@@ -25,7 +25,7 @@ from typing import Any
 
 from ..defaults import parse_size
 from .result import Result
-from .system import cold, drop_caches
+from .system import drop_caches, make_cold
 from .workloads import seqread, seqwrite
 
 __all__ = ["TARGET_LAYER", "offload_workload"]
@@ -82,7 +82,7 @@ def _stream_pass(workdir: str, model_bytes: int, budget: int, prefetch: int) -> 
     compute_s = sorted(times)[1]
     with torch.device("meta"):
         empty = Net().eval()
-    cold_read = cold(path) == 0
+    cold_read = make_cold(path) == 0
     model = stream(empty, path, budget=budget, prefetch=prefetch)
     s = streamer_of(model)
     try:

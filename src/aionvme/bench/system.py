@@ -17,10 +17,10 @@ from ._internal import is_memory_fs
 
 __all__ = [
     "cached_bytes",
-    "cold",
     "drop_caches",
     "evict",
     "local_scratch_dir",
+    "make_cold",
     "resolve_loop",
     "run_loop",
     "scratch_dir",
@@ -146,7 +146,7 @@ def cached_bytes(path: str) -> int:
         os.close(fd)
 
 
-def cold(*paths: str) -> int:
+def make_cold(*paths: str) -> int:
     """Make the reads of ``paths`` cold: the page cache dropped (root), and
     these files' pages evicted (anyone: :func:`evict`). Returns the bytes of
     them still cached (0: every timed read of them goes to the device)."""
