@@ -154,6 +154,9 @@ def test_tune_runs_every_stage_and_ranks(tuned):
     for stage in ("1. block size", "2. queue depth x intra-op parallelism", "3. submit modes", "4. the best"):
         assert stage in r.stdout
     assert "best: block=" in r.stdout and "read" in r.stdout
+    # writes are durable in-place overwrites; a fresh file's write (seqwrite's, the demo's) is shown too
+    words = " ".join(r.stdout.split())
+    assert "(in place, then fsync)" in words and "into a fresh file" in words
     # the headers, the table and the messages fit an 80-column terminal
     assert max(len(line) for line in r.stdout.splitlines()) <= 80, r.stdout
     assert [p.name for p in d.iterdir() if p.name.startswith("aionvme-")] == []  # scratch removed
@@ -198,6 +201,7 @@ def test_tune_config_loads_into_handle_defaults_and_deepspeed(tuned):
     assert cfg["aio"] == {**h.deepspeed_config(), "queue_depth": in_flight}
     assert cfg["tune"]["chunks_in_flight"] == in_flight
     assert len(cfg["tune"]["measured"]) >= 5 and cfg["tune"]["filesystem"] == "ext4"
+    assert cfg["tune"]["write_fresh_GBps"] > 0
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")

@@ -1,16 +1,19 @@
 """aionvme.offload.Optimizer's streaming pipeline: reads ahead and writes
 behind under the budget (measured), buffers reused from step to step, an
 error in the middle of a step leaving nothing in flight, and a parameter
-whose state alone exceeds the budget split into pieces (or, when it is not
-contiguous, counted as an overdraft)."""
+whose state alone exceeds the budget split into pieces, and a budget that
+cannot hold the largest chunk refused up front with the one that can."""
 
 from __future__ import annotations
+
+import re
+import warnings
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from aionvme.offload import Optimizer  # noqa: E402
+from aionvme.offload import BudgetError, Optimizer  # noqa: E402
 
 
 def _params(n: int, numel: int, seed: int = 0) -> list[torch.nn.Parameter]:
@@ -187,19 +190,91 @@ def test_a_parameter_whose_state_exceeds_the_budget_is_split_into_pieces(tmp_pat
             assert opt2.stats()["overdrafts"] == 0
 
 
-def test_a_non_contiguous_parameter_larger_than_the_budget_is_an_overdraft(tmp_path):
-    # it cannot be cut into flat pieces: stepped whole, over the budget, and counted
+def test_a_non_contiguous_parameter_larger_than_the_budget_is_refused_with_the_budget_that_works(tmp_path):
+    # it cannot be cut into flat pieces: its state must fit whole, so the constructor says so
     ours = [torch.nn.Parameter(torch.randn(256, 256).t()), *_params(4, 1024, seed=3)]
     assert not ours[0].is_contiguous()
     ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
-    budget = 128 << 10
-    with Optimizer(torch.optim.AdamW, ours, tmp_path, lr=1e-3, budget=budget) as opt:
+    with pytest.raises(BudgetError, match=r"\(256, 256\) float32 parameter \(not contiguous") as e:
+        Optimizer(torch.optim.AdamW, ours, tmp_path, lr=1e-3, budget=128 << 10)
+    assert isinstance(e.value, MemoryError)
+    smallest = int(
+        re.search(r"the smallest budget that works for these parameters is (\d+) bytes", str(e.value))[1]
+    )
+    assert smallest == 516 << 10  # exp_avg and exp_avg_sq of 256 KiB each, the step count, in pages
+    with pytest.raises(BudgetError):
+        Optimizer(torch.optim.AdamW, ours, tmp_path, lr=1e-3, budget=smallest - 4096)
+    # the budget it names is enough: stepped within it, bit for bit the optimizer in memory
+    with Optimizer(torch.optim.AdamW, ours, tmp_path, lr=1e-3, budget=smallest) as opt:
         mem = torch.optim.AdamW(ref, lr=1e-3)
         _step_both(opt, ours, mem, ref, 3)
         st = opt.stats()
-        assert st["overdrafts"] > 0 and st["peak_memory_bytes"] > budget
+        assert st["overdrafts"] == 0 and st["peak_memory_bytes"] <= smallest
         for p, q in zip(ref, ours, strict=True):
             assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize(
+    ("cls", "kw", "state"),
+    # state bytes per element, and the small tensors (AdamW's step count) of 64 bytes each
+    [(torch.optim.AdamW, {"lr": 1e-3}, (8, 1)), (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, (4, 0))],
+)
+def test_a_budget_too_small_for_any_chunk_is_refused_before_any_io(tmp_path, cls, kw, state):
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+    with pytest.raises(BudgetError) as e:
+        Optimizer(cls, model.parameters(), tmp_path / "a", budget="4K", **kw)
+    msg = str(e.value)
+    # the largest chunk is a whole weight (too small a budget to cut pieces from), measured for this optimizer
+    need = int(re.search(r"float32 parameter: (\d+) bytes", msg)[1])
+    assert need == -(-(256 * 256 * state[0] + 64 * state[1]) // 4096) * 4096
+    assert not (tmp_path / "a").exists()  # refused before the state's directory was made
+    smallest = int(re.search(r"is (\d+) bytes", msg)[1])
+    assert 4096 < smallest < need  # large enough to cut the weights into pieces, far less than a whole one
+    with pytest.raises(BudgetError):
+        Optimizer(cls, model.parameters(), tmp_path / "b", budget=smallest - 4096, **kw)
+    with Optimizer(cls, model.parameters(), tmp_path / "c", budget=smallest, **kw) as opt:
+        for _ in range(2):
+            model(torch.randn(4, 256)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        st = opt.stats()
+        assert st["overdrafts"] == 0 and 0 < st["peak_memory_bytes"] <= smallest
+
+
+def test_sgd_without_momentum_keeps_no_state_and_fits_any_budget(tmp_path):
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(2)])
+    with Optimizer(torch.optim.SGD, model.parameters(), tmp_path, lr=0.1, budget="4K") as opt:
+        model(torch.randn(4, 256)).sum().backward()
+        opt.step()
+        assert opt.stats()["overdrafts"] == 0
+
+
+class _Growing(torch.optim.SGD):
+    """SGD whose state grows at its second step (an extra per-element tensor):
+    past the layout the budget was checked for."""
+
+    def step(self, closure=None):
+        out = super().step(closure)
+        for g in self.param_groups:
+            for p in g["params"]:
+                st = self.state[p]
+                if st.get("calls", 0) >= 1 and "extra" not in st:
+                    st["extra"] = torch.zeros_like(p)
+                st["calls"] = st.get("calls", 0) + 1
+        return out
+
+
+def test_state_that_grows_past_the_checked_layout_is_warned_about_once(tmp_path):
+    ps = [torch.nn.Parameter(torch.randn(64 << 10))]  # 256 KiB: momentum 256 KiB, then 512 KiB with "extra"
+    with Optimizer(_Growing, ps, tmp_path, lr=0.1, momentum=0.9, budget=384 << 10, chunk_size="1M") as opt:
+        ps[0].grad = torch.ones_like(ps[0])
+        opt.step()
+        with pytest.warns(RuntimeWarning, match="went over its budget"):
+            opt.step()
+        assert opt.stats()["overdrafts"] == 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            opt.step()  # once
 
 
 def test_steps_after_an_error_at_the_first_chunk_of_the_first_step(tmp_path):

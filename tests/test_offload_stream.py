@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import aionvme as nvme  # noqa: E402
-from aionvme.offload import BudgetError, stream, streamer_of  # noqa: E402
+from aionvme.offload import BudgetError, InferenceOnlyError, stream, streamer_of  # noqa: E402
 from aionvme.offload._planner import Ledger, plan_residency, upcoming  # noqa: E402
 
 
@@ -214,6 +214,34 @@ def test_sequential_saved_with_aionvme(tmp_path):
                 torch.testing.assert_close(model(x), ref(x))
         assert s.stats()["units"] == 4
         assert s.stats()["peak_resident_bytes"] <= 300_000
+    finally:
+        s.close()
+
+
+def test_a_forward_with_autograd_on_says_streaming_is_inference_only(tmp_path):
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]).eval()
+    path = tmp_path / "m.safetensors"
+    asyncio.run(nvme.save_safetensors(ref.state_dict(), path))
+    with torch.device("meta"):
+        empty = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]).eval()
+    model = stream(empty, path, budget="256K", prefetch=1)
+    s = streamer_of(model)
+    x = torch.randn(2, 64)
+    try:
+        # a training loop's forward (then backward) is refused where it starts, with the library's error
+        with pytest.raises(InferenceOnlyError, match=r"inference only.*torch.inference_mode\(\)") as e:
+            model(x).sum().backward()
+        assert isinstance(e.value, RuntimeError) and isinstance(e.value, nvme.AionvmeError)
+        with pytest.raises(InferenceOnlyError):
+            model[1](x)  # a block run on its own, too
+        st = s.stats()
+        assert st["passes"] == st["loads"] == st["hits"] == st["misses"] == 0  # refused before any block ran
+        # and the same model runs under no_grad / inference_mode as before
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), ref(x))
+        with torch.inference_mode():
+            torch.testing.assert_close(model(x), ref(x))
     finally:
         s.close()
 

@@ -12,7 +12,9 @@ the scripts in the repository's ``bench/`` folder measure with.
 - one timer, :class:`Timer` (wall, CPU, event-loop stall);
 - one renderer (:mod:`aionvme.bench.render`: tables that fit the terminal,
   JSON, plots);
-- the machine: :func:`scratch_dir`, :func:`drop_caches`, :func:`run_loop`;
+- the machine: :func:`scratch_dir`, :func:`run_loop`, and a cold page cache
+  for any user: :func:`drop_caches` (root), :func:`evict` (a file's pages,
+  no root needed), :func:`cached_bytes` (mincore), :func:`make_cold` (all three);
 - the tune sweep (:mod:`aionvme.bench.tune`).
 
 Files hold a checkable pattern (:func:`make_file`, :func:`check_pattern`):
@@ -45,7 +47,16 @@ from .registry import (
     run,
 )
 from .result import Result, median, median_result, spread
-from .system import drop_caches, local_scratch_dir, resolve_loop, run_loop, scratch_dir
+from .system import (
+    cached_bytes,
+    drop_caches,
+    evict,
+    local_scratch_dir,
+    make_cold,
+    resolve_loop,
+    run_loop,
+    scratch_dir,
+)
 from .timer import StallMonitor, Timer
 from .workloads import (
     GPU_WAYS,
@@ -69,15 +80,18 @@ __all__ = [
     "Timer",
     "UnknownWorkloadError",
     "Workload",
+    "cached_bytes",
     "check_pattern",
     "cuda_unavailable",
     "drop_caches",
+    "evict",
     "fill_pattern",
     "get",
     "gpu_read",
     "gpu_write",
     "holds_pattern",
     "local_scratch_dir",
+    "make_cold",
     "make_file",
     "manyfiles",
     "median",

@@ -9,8 +9,10 @@ ours: above 1, ours is faster).
 
 Fairness:
 
-- Loads are cold: the page cache is dropped before each one (root only;
-  ``figures["cold_cache"]`` says whether it was). ``safetensors.torch.load_file``
+- Loads are cold: before each one the page cache is dropped (root) and the
+  file read is evicted from it (anyone: :func:`~aionvme.bench.system.evict`);
+  ``figures["cold_cache"]`` is 1.0 when ``mincore`` found none of the files'
+  pages cached before any of the timed loads. ``safetensors.torch.load_file``
   maps the file lazily, so every page of every tensor is touched after it
   returns; ours and torch.load are touched the same way.
 - Saves include durability for everyone: the baselines' files are fsynced
@@ -43,7 +45,7 @@ from .. import empty
 from .. import pread as nvme_pread
 from .peers import fio, fio_unavailable
 from .result import Result
-from .system import drop_caches
+from .system import drop_caches, make_cold
 from .timer import Timer
 
 __all__ = ["FORMAT_BASELINES", "checkpoint", "safetensors", "transformer_state_dict"]
@@ -125,18 +127,19 @@ async def _timed(fn: Callable[[], Awaitable[Any]]) -> float:
     return t.wall
 
 
-async def _cold_load(load: Callable[[], Awaitable[Any]], pause: float) -> tuple[Timer, Any]:
-    """Drop the page cache, idle ``pause`` seconds, then time loading and
-    touching every page of the tensors; the timer and what was loaded (a dict
-    of tensors, or a checkpoint with "model")."""
-    gc.collect()
-    drop_caches()
+async def _cold_load(load: Callable[[], Awaitable[Any]], path: str, pause: float) -> tuple[Timer, Any, int]:
+    """Make reading ``path`` cold (:func:`~aionvme.bench.system.make_cold`), idle
+    ``pause`` seconds, then time loading and touching every page of the
+    tensors; the timer, what was loaded (a dict of tensors, or a checkpoint
+    with "model") and the bytes of ``path`` that were still cached."""
+    gc.collect()  # what an earlier load returned unmaps the file, whose pages can then go
+    cached = make_cold(path)
     if pause:
         await asyncio.sleep(pause)  # let a VM hand freed memory back to its host, as between jobs
     with Timer() as t:
         got = await load()
         _touch(got.get("model", got))
-    return t, got
+    return t, got, cached
 
 
 def _compare(nbytes: int, op: str, base: str, ours_s: float, base_s: float) -> dict[str, float]:
@@ -199,6 +202,13 @@ def _notes(name: str, figures: dict[str, float], ops: tuple[str, ...]) -> list[s
     return out
 
 
+def _warm(ours: int, base: int) -> list[str]:
+    """A note when a load was not cold (the file could not be evicted)."""
+    if not ours and not base:
+        return []
+    return [f"NOT COLD: {ours} bytes of our file and {base} of the baseline's were cached before the load"]
+
+
 async def safetensors(directory: str, total_bytes: int, *, verify: bool = True, pause: float = 0.0) -> Result:
     """``load_safetensors`` vs ``safetensors.torch.load_file`` (cold, every
     page touched) and ``save_safetensors`` vs ``safetensors.torch.save_file``
@@ -229,14 +239,13 @@ async def safetensors(directory: str, total_bytes: int, *, verify: bool = True, 
 
     t_save_ref = await _timed(save_ref)
     t_save = await _timed(lambda: save_safetensors(sd, ours))
-    cold = drop_caches() is None
-    timer, got = await _cold_load(lambda: load_safetensors(ref), pause)
+    timer, got, cached = await _cold_load(lambda: load_safetensors(ref), ref, pause)
     t0 = time.perf_counter()
     _touch(got)  # resident now: what touching costs by itself
     touch = time.perf_counter() - t0
     ok = not verify or _same(sd, got)
     del got
-    t_ref, got = await _cold_load(load_ref, pause)
+    t_ref, got, cached_ref = await _cold_load(load_ref, ref, pause)
     ok = ok and (not verify or _same(sd, got))
     del got
     if verify:
@@ -247,13 +256,15 @@ async def safetensors(directory: str, total_bytes: int, *, verify: bool = True, 
     figures = {
         "bytes": float(nbytes),
         "tensors": float(len(sd)),
-        "cold_cache": float(cold),
+        "cold_cache": float(cached == cached_ref == 0),
+        "cached_bytes_before_load": float(cached),
+        "cached_bytes_before_load_safetensors": float(cached_ref),
         **_compare(nbytes, "load", "safetensors", timer.wall, t_ref.wall),
         **_compare(nbytes, "save", "safetensors", t_save, t_save_ref),
         **extra,
         "touch_s": touch,
     }
-    notes = _notes("safetensors", figures, ("load", "save"))
+    notes = _notes("safetensors", figures, ("load", "save")) + _warm(cached, cached_ref)
     if floor:
         figures.update(floor, floor_s=floor["floor_fio_s"] + touch)
         figures["floor_ratio"] = figures["floor_s"] / timer.wall
@@ -318,13 +329,12 @@ async def checkpoint(directory: str, total_bytes: int, *, verify: bool = True, p
         background[f"background_{kind}_total_s"] = time.perf_counter() - t0
     release_snapshot_buffers()
 
-    cold = drop_caches() is None
-    timer, got = await _cold_load(lambda: load(ours), pause)
+    timer, got, cached = await _cold_load(lambda: load(ours), ours, pause)
     ok = not verify or (
         _same(sd, got["model"]) and got["step"] == 1000 and got["config"]["betas"] == (0.9, 0.95)
     )
     del got
-    t_ref, got = await _cold_load(load_ref, pause)
+    t_ref, got, cached_ref = await _cold_load(load_ref, ref, pause)
     ok = ok and (not verify or _same(sd, got["model"]))
     del got
     extra = await _device_and_memory(ours, nbytes)
@@ -332,13 +342,15 @@ async def checkpoint(directory: str, total_bytes: int, *, verify: bool = True, p
     figures = {
         "bytes": float(nbytes),
         "tensors": float(len(sd)),
-        "cold_cache": float(cold),
+        "cold_cache": float(cached == cached_ref == 0),
+        "cached_bytes_before_load": float(cached),
+        "cached_bytes_before_load_torch": float(cached_ref),
         **_compare(nbytes, "save", "torch", t_save, t_save_ref),
         **background,
         **_compare(nbytes, "load", "torch", timer.wall, t_ref.wall),
         **extra,
     }
-    notes = _notes("checkpoint", figures, ("load", "save"))
+    notes = _notes("checkpoint", figures, ("load", "save")) + _warm(cached, cached_ref)
     notes.append(
         f"save_in_background returns in {background['background_reused_return_s']:.3f} s "
         f"(reused buffer), durable after {background['background_reused_total_s']:.3f} s"

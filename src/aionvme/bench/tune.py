@@ -3,7 +3,9 @@ knobs over a DeepSpeed-like swapping workload, and the config it yields.
 
 The workload: a scratch file read and written as :data:`REQUESTS` large
 requests in flight together, O_DIRECT, into host buffers or (``gpu``) CUDA
-tensors through aionvme's own GPU path. Instead of DeepNVMe's full grid the
+tensors through aionvme's own GPU path; each write pass overwrites the file
+in place (a swapper's files are allocated once) and ends with an fsync,
+timed with it, as ``bench``'s seqwrite times its writes. Instead of DeepNVMe's full grid the
 sweep is staged: block size first, then queue depth x intra-op parallelism
 at the best block size, then the submit modes, then the best few points are
 measured again. Only those re-measured points are ranked, by their median:
@@ -13,6 +15,7 @@ a point measured once cannot beat the median of several by one lucky run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import os
 from collections.abc import Awaitable, Callable
@@ -181,7 +184,8 @@ class TuneFile:
             torch.cuda.synchronize()
 
     async def measure(self, knobs: Knobs) -> tuple[Result, Result]:
-        """(read, write) of the whole file with ``knobs``, all requests in flight together."""
+        """(read, write) of the whole file with ``knobs``, all requests in
+        flight together; the write's time includes the fsync that makes it durable."""
         offsets = [i * self.each for i in range(REQUESTS)]
         params = dict(knobs.__dict__, gpu=self.gpu)
         async with knobs.handle() as h:
@@ -191,8 +195,31 @@ class TuneFile:
             read = t.result("tune-read", self.size, REQUESTS, params=params)
             with Timer() as t:
                 await asyncio.gather(*(h.pwrite(b, self.file, o) for b, o in zip(self.bufs, offsets)))
+                # Durable, as bench's seqwrite and the demo count a write: an O_DIRECT
+                # write completes once the device (or a hypervisor's cache in front
+                # of it) has the data; fsync flushes that cache to the medium.
+                await self.file.fsync()
             write = t.result("tune-write", self.size, REQUESTS, params=params)
         return read, write
+
+    async def measure_fresh(self, knobs: Knobs) -> Result:
+        """A write of the same bytes with ``knobs`` into a fresh file, fsync
+        included (then removed): what ``bench``'s seqwrite and the demo
+        measure. The filesystem allocates its blocks as it goes, where the
+        sweep's writes overwrite blocks allocated once."""
+        from .. import open as nvme_open
+
+        path = f"{self.path}.fresh"
+        offsets = [i * self.each for i in range(REQUESTS)]
+        try:
+            async with knobs.handle() as h:
+                with nvme_open(path, "w") as f, Timer() as t:
+                    await asyncio.gather(*(h.pwrite(b, f, o) for b, o in zip(self.bufs, offsets)))
+                    await f.fsync()
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        return t.result("tune-write-fresh", self.size, REQUESTS, params=dict(knobs.__dict__, gpu=self.gpu))
 
 
 class Sweep:
@@ -305,10 +332,11 @@ def _point_dict(p: Point, ranked: bool) -> dict[str, Any]:
     }
 
 
-def config_of(sweep: Sweep, tf: TuneFile, directory: str) -> dict[str, Any]:
+def config_of(sweep: Sweep, tf: TuneFile, directory: str, fresh: Result | None = None) -> dict[str, Any]:
     """The config file: aionvme's knobs (``"aionvme"``), DeepSpeed's ``"aio"``
     section, and how they were found (``"tune"``; ``measured`` lists the
-    ranked points first, best first, then the rest)."""
+    ranked points first, best first, then the rest; ``write_fresh_GBps`` the
+    best knobs' write into a fresh file, :meth:`TuneFile.measure_fresh`)."""
     import aionvme
 
     best = sweep.best()
@@ -336,6 +364,7 @@ def config_of(sweep: Sweep, tf: TuneFile, directory: str) -> dict[str, Any]:
             "gpu": tf.gpu,
             "read_GBps": round(best.read, 3),
             "write_GBps": round(best.write, 3),
+            "write_fresh_GBps": None if fresh is None else round(fresh.gb_s, 3),
             "measured": measured,
         },
     }

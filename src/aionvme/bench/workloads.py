@@ -26,8 +26,9 @@ def _runtime_ready() -> None:
     """Make the running loop's runtime (engine, eventfd) before the clock
     starts, and run the full collection the set-up owes: in a process that
     imported torch (~170k objects) the interpreter's first full collection
-    after the imports took 100-200 ms on the VM of bench/README.md, once per
-    process, and landed inside a timed run as its longest loop stall."""
+    after the imports took 100-200 ms, once per process, and landed inside a
+    timed run as its longest loop stall (``randread``'s stall figure before
+    this call was made here)."""
     stats()
     gc.collect()
 
@@ -115,7 +116,7 @@ async def seqwrite(
         check = empty(min(size, 1 << 20))
         with nvme_open(path) as f:
             for off in (0, size - len(check)):
-                await f.pread(check, off)  # on the loop: its blocking twin is refused here
+                f.sync_pread(check, off)
                 ok = ok and check_pattern(check, off)
     return t.result(
         "seqwrite",
@@ -136,8 +137,9 @@ async def seqwrite(
 # every LATENCY_SAMPLE-th): timing every read in Python (two clock calls and a
 # store, ~1.4k instructions, 0.5 µs of CPU per read here) was charged to the
 # runtime under test, and cost it ~4% of its IOPS against fio, which times its
-# reads in C (0.93x against 0.98x of fio: bench/JOURNAL.md, 2026-12-03). The sample's percentiles are the
-# run's: it is spread evenly over the whole run.
+# reads in C (the randread suite against fio io_uring: 0.933x with every read
+# timed, 0.979x untimed). The sample's percentiles are the run's: it is spread
+# evenly over the whole run.
 LATENCY_SAMPLE = 8
 
 
@@ -270,7 +272,7 @@ async def randwrite(path: str, *, ops: int = 50_000, bs: int = 4096, iodepth: in
     ok = True
     with nvme_open(path) as f:
         for o in offs[:: max(1, ops // 200)]:
-            await f.pread(check, o)  # on the loop: its blocking twin is refused here
+            f.sync_pread(check, o)
             ok = ok and check_pattern(check, o)
     return t.result("randwrite", ops * bs, ops, ok, latencies_s=lat, params=dict(bs=bs, iodepth=iodepth))
 
@@ -388,7 +390,7 @@ async def gpu_write(
         check = empty(min(size, 1 << 20))
         with nvme_open(path) as f:
             for off in (0, size // 2 - size // 2 % 8, size - len(check)):
-                await f.pread(check, off)  # on the loop: its blocking twin is refused here
+                f.sync_pread(check, off)
                 ok = ok and check_pattern(check, off)
     used = "host" if way == "host" else _way_used(before, gpu.stats())
     return t.result(

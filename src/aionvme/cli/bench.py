@@ -278,7 +278,10 @@ def _run(args: argparse.Namespace) -> int:
                 modes = modes if args.mode in ("all", "both") else (args.mode,)
             for m in modes or ("gather",):
                 plan.extend((sv, name, m) for _ in range(args.repeat))
-    note: str | None = "not root: the page cache was not dropped (O_DIRECT bypasses it)"
+    note: str | None = (
+        "not root: the page cache was not dropped (O_DIRECT bypasses it; "
+        "the buffered loads evict their files)"
+    )
 
     runs: dict[tuple[Any, str, str], list[B.Result]] = {}
     t0 = time.perf_counter()

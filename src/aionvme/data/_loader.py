@@ -304,7 +304,7 @@ class Loader:
         # reads and resolves them, so a slow step holds this thread, never the
         # loop (tests/test_background.py checks that other blocking calls go
         # on meanwhile). Measured against the private uvloop thread it had
-        # before (bench/loader_loop.py: 16k 4 KiB samples from the page cache,
+        # before (a probe since removed, bench/JOURNAL.md: 16k 4 KiB samples from the page cache,
         # batch 256, four runs of 5 alternated rounds on the loaded 2-core
         # machine): wall medians 51.5-60.9 vs 47.2-69.4 us per sample, CPU
         # 21.8-24.2 vs 20.9-24.3 us; within the noise (asyncio may cost up to

@@ -81,7 +81,7 @@ class Slab:
             # into it faults and zeroes the pages while the batch's reads wait,
             # on the engine's submitter thread for batches over 512 KiB and on
             # the loop thread for smaller ones (perf: clear_page_erms under
-            # io_submit; bench/bench_loader.py's first epoch of a new Loader
+            # io_submit; bench/suites/bench_loader.py's first epoch of a new Loader
             # cost 111-119 us CPU/sample instead of ~20 on a VM whose host backs
             # fresh memory on first touch).
             self.buf[::ALIGN] = 0

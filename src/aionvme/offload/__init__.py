@@ -17,13 +17,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._planner import BudgetError, StateLostError
+from ._planner import BudgetError, InferenceOnlyError, StateLostError
 
 if TYPE_CHECKING:
     from ._optimizer import Optimizer
     from ._stream import Streamer, stream, streamer_of
 
-__all__ = ["BudgetError", "Optimizer", "StateLostError", "Streamer", "stream", "streamer_of"]
+__all__ = [
+    "BudgetError",
+    "InferenceOnlyError",
+    "Optimizer",
+    "StateLostError",
+    "Streamer",
+    "stream",
+    "streamer_of",
+]
 
 _LAZY = {
     "stream": "_stream",

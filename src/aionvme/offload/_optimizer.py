@@ -7,100 +7,42 @@ import concurrent.futures
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..defaults import parse_size
 from ..memory import empty
+from ._chunks import (
+    LOW,
+    MASTER,
+    Chunk,
+    Layout,
+    check_saved,
+    cut,
+    join_pieces,
+    layout_of,
+    pages,
+    param_bytes,
+    piece_views,
+    settle,
+    size_text,
+    smallest_budget,
+    spec_of,
+    split_pieces,
+    view,
+)
 from ._loop import LoopThread
 from ._pipeline import Job, Pipeline
-from ._planner import Ledger, StateLostError
+from ._planner import BudgetError, Ledger
 from ._state import BlobStore, open_blob_store
 
 __all__ = ["Optimizer"]
 
-_ALIGN = 64  # state tensors inside a blob start on cache-line boundaries
-_PAGE = 4096  # a blob is whole pages: read and written with O_DIRECT, no bounce for a tail
 _DEPTH = 6  # chunks the streaming room is sized for: 2-3 read ahead, 1 stepped, 2 written behind
 _ROOM = 64 << 20  # default streaming room (a quarter of the budget when that is more): bytes in flight
-_LOW = (torch.bfloat16, torch.float16)  # parameters that get an fp32 master with master_weights=True
-_PIECE = 1024  # a split parameter's pieces are multiples of this many elements
-MASTER = "master"  # the state key of a parameter's fp32 master copy
-
-
-@dataclass
-class _Chunk:
-    """Parameters whose state is read, updated and written together (one group each)."""
-
-    key: str
-    params: list[tuple[int, torch.Tensor]]  # (group index, param)
-    spec: tuple[
-        tuple[int, str, torch.dtype, tuple[int, ...], int], ...
-    ] = ()  # (param#, key, dtype, shape, pos)
-    nbytes: int = 0
-    stored: bool = False  # its state is in the blob store
-    resident: torch.Tensor | None = None  # its blob, kept in memory under the budget
-    extra: dict[int, dict[str, Any]] = field(default_factory=dict)  # non-tensor state per param#
-    lost: BaseException | None = None  # the error of the write that should have saved its state
-    # A piece of a split parameter: params is [(group, a view of parent's
-    # elements [lo, hi))], made again at each step (see Optimizer._piece_views).
-    parent: torch.Tensor | None = None
-    lo: int = 0
-    hi: int = 0
-
-
-def _spec_of(
-    states: list[dict[str, Any]],
-) -> tuple[tuple[tuple[int, str, torch.dtype, tuple[int, ...], int], ...], int]:
-    spec = []
-    pos = 0
-    for i, st in enumerate(states):
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor):
-                spec.append((i, k, v.dtype, tuple(v.shape), pos))
-                pos += (v.numel() * v.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN
-    return tuple(spec), pos
-
-
-def _pages(n: int) -> int:
-    return max(_PAGE, (n + _PAGE - 1) // _PAGE * _PAGE)
-
-
-def _param_bytes(c: _Chunk) -> int:
-    return sum(p.numel() * p.element_size() for _, p in c.params)
-
-
-def _view(blob: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], pos: int) -> torch.Tensor:
-    n = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
-    return blob[pos : pos + n].view(dtype).reshape(shape)
-
-
-def _check_saved(chunks: Iterable[_Chunk]) -> None:
-    """StateLostError for the first chunk whose last write failed."""
-    for c in chunks:
-        if c.lost is not None:
-            raise StateLostError(
-                f"the optimizer state of chunk {c.key} was not saved (its write failed: {c.lost}); "
-                "load a state_dict to go on"
-            ) from c.lost
-
-
-def _settle(writes: list[tuple[_Chunk, concurrent.futures.Future[None]]]) -> BaseException | None:
-    """Wait for the writes and mark each chunk whose write failed as lost: the
-    first write's error, or None."""
-    first: BaseException | None = None
-    for c, w in writes:
-        try:
-            err = w.exception()
-        except concurrent.futures.CancelledError as e:
-            err = e
-        if err is not None:
-            c.lost = err
-            first = first or err
-    return first
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -121,7 +63,10 @@ class Optimizer(torch.optim.Optimizer):
         Host memory for the state, e.g. ``"1G"``: the chunks kept resident
         (all of them when the state fits, so no I/O at all after the first
         step) and the buffers the other chunks stream through. Measured in
-        :meth:`stats` (``peak_memory_bytes``).
+        :meth:`stats` (``peak_memory_bytes``). It must hold the largest
+        chunk's state whole: a smaller one raises :class:`BudgetError`
+        (with the smallest budget that works) here, or at the first step
+        after :meth:`add_param_group`.
     chunk_size : int or str, optional
         Parameter bytes per chunk (a chunk never mixes groups). Default:
         budget / 8 when the state fits the budget, else ``stream_room`` / 12
@@ -140,9 +85,9 @@ class Optimizer(torch.optim.Optimizer):
         do not depend on it: the optimizers' updates are elementwise).
         Default: one less than torch's setting (at least one), leaving a
         core to the I/O thread: an OpenMP team one of whose threads loses its
-        core waits at every operation's barrier (measured on 2 vCPUs with the
-        other core busy: AdamW's step 0.05-0.1 s with one thread, 0.5-1.4 s
-        with two). 0: torch's setting as it is.
+        core waits at every operation's barrier (``aionvme bench -w offload``'s
+        step in memory, 4M parameters on 2 vCPUs with the other core busy:
+        0.06 s on one thread, 0.81 s on two). 0: torch's setting as it is.
     backend : {"auto", "store", "file"}
         Where streamed state goes: the NVMe tier of an
         :class:`aionvme.TieredStore` (``"store"``, and ``"auto"``), or one
@@ -176,11 +121,15 @@ class Optimizer(torch.optim.Optimizer):
     about ``chunk_size`` (flat ranges of its elements, multiples of 1024),
     each a chunk of its own: torch's update is elementwise, so stepping the
     pieces gives the whole parameter's result bit for bit, and
-    :meth:`state_dict` joins their state into the parameter's. The one
-    exception left is a chunk whose state alone is larger than what the
-    resident chunks leave and that cannot be split (a non-contiguous
-    parameter): it is stepped anyway, over the budget, and ``stats()`` counts
-    an ``overdraft``; give such a parameter a larger budget. The optimizer's own
+    :meth:`state_dict` joins their state into the parameter's. A chunk whose
+    state alone is larger than the budget (a non-contiguous parameter, which
+    cannot be cut, or a budget too small to cut pieces of 1024 elements from)
+    would have to be stepped over the budget: the constructor raises
+    :class:`BudgetError` instead, from the state's layout measured by one
+    step of the wrapped optimizer on a 2048-element parameter. State that
+    grows past that layout later is stepped anyway, counted as an
+    ``overdraft`` in ``stats()`` and warned about once (``RuntimeWarning``).
+    The optimizer's own
     fresh state at a chunk's first step (made by torch, then packed) is
     transient memory outside the budget.
     ``param_groups`` are the wrapped optimizer's (LR schedulers work);
@@ -218,30 +167,21 @@ class Optimizer(torch.optim.Optimizer):
         self._inner = optimizer_class(params, **kwargs)
         super().__init__(self._inner.param_groups, self._inner.defaults)
         self.param_groups = self._inner.param_groups
+        self._make = lambda groups: optimizer_class(groups, **kwargs)  # probes the state's layout
         self.budget = parse_size(budget)
-        if stream_room is None:
-            room = max(self.budget // 4, _ROOM)
-        else:
-            room = parse_size(stream_room)
-            if room <= 0:
-                raise ValueError(f"stream_room must be positive, got {stream_room!r}")
-        self.stream_room = min(self.budget, room)
+        self._room = None if stream_room is None else parse_size(stream_room)
+        if self._room is not None and self._room <= 0:
+            raise ValueError(f"stream_room must be positive, got {stream_room!r}")
+        self._chunk = None if chunk_size is None else parse_size(chunk_size)
+        self.stream_room, self.chunk_size = self._sizes(self.budget)
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 0):
             raise ValueError(f"threads must be a non-negative int or None, got {threads!r}")
         self.threads = threads
+        self._check_budget()
+        self._warned = False  # about an overdraft (see _check_budget)
         self._loop = LoopThread("optimizer")
         self._store: BlobStore = open_blob_store(os.fspath(path), backend)
-        # Adam keeps two states per parameter; an fp32 master and fp32 state
-        # for a bf16 parameter: ~6x its bytes.
-        low = master_weights and any(p.dtype in _LOW for g in self.param_groups for p in g["params"])
-        ratio = 2 * (3 if low else 1)
-        total = sum(p.numel() * p.element_size() for g in self.param_groups for p in g["params"])
-        if ratio * total <= self.budget:
-            default_chunk = self.budget // (4 * ratio)
-        else:
-            default_chunk = self.stream_room // (_DEPTH * ratio)
-        self.chunk_size = parse_size(chunk_size) if chunk_size is not None else max(1, default_chunk)
-        self._chunks: list[_Chunk] = []
+        self._chunks: list[Chunk] = []
         self._plan: list[int] | None = None  # residency sums: state (estimated), largest chunk, resident
         self._chunked_groups: list[list[tuple[int, int]]] = []
         # Counts the state bytes in memory (peak in stats()): resident chunks and the
@@ -265,6 +205,55 @@ class Optimizer(torch.optim.Optimizer):
         self._inner.add_param_group(param_group)
         self.param_groups = self._inner.param_groups
 
+    def _sizes(self, budget: int) -> tuple[int, int]:
+        """The streaming room and the chunk size of a budget (see the class docstring)."""
+        room = min(budget, self._room if self._room is not None else max(budget // 4, _ROOM))
+        if self._chunk is not None:
+            return room, self._chunk
+        # Adam keeps two states per parameter; an fp32 master and fp32 state
+        # for a bf16 parameter: ~6x its bytes.
+        ps = [p for g in self.param_groups for p in g["params"]]
+        ratio = 2 * (3 if any(self._is_low(p) for p in ps) else 1)
+        if ratio * sum(p.numel() * p.element_size() for p in ps) <= budget:
+            return room, max(1, budget // (4 * ratio))
+        return room, max(1, room // (_DEPTH * ratio))
+
+    def _check_budget(self) -> None:
+        """BudgetError when the largest chunk's state does not fit the budget:
+        a chunk is stepped whole in memory, so such a step would go over it.
+        The state's layout is the wrapped optimizer's own, measured on a small
+        parameter per group and dtype (see :func:`layout_of`)."""
+        layouts: dict[tuple[int, torch.dtype, torch.device], Layout] = {}
+
+        def state_bytes(gi: int, p: torch.Tensor) -> int:
+            low = self._is_low(p)
+            key = (gi, torch.float32 if low else p.dtype, p.device)
+            if key not in layouts:
+                layouts[key] = layout_of(self._make, self.param_groups[gi], *key[1:])
+            n = layouts[key].nbytes(p.numel())
+            return n + Layout((4,), 0).nbytes(p.numel()) if low else n  # the fp32 master
+
+        need, smallest, which = smallest_budget(
+            self.param_groups, self.chunk_size, lambda b: self._sizes(b)[1], state_bytes, self.budget
+        )
+        if need <= self.budget or which is None:
+            return
+        p = which.parent if which.parent is not None else which.params[0][1]
+        what = f"a {tuple(p.shape)} {str(p.dtype).removeprefix('torch.')} parameter"
+        if which.parent is not None:
+            what = f"a piece of {what}"
+        elif len(which.params) > 1:
+            what = f"{len(which.params)} parameters, the first {what}"
+        elif not p.is_contiguous():
+            what += " (not contiguous: it cannot be cut into pieces)"
+        fixed = "" if self._chunk is None else " at this chunk_size; or a smaller chunk_size"
+        raise BudgetError(
+            f"budget={self.budget} bytes cannot hold the optimizer state of the largest chunk "
+            f"({what}: {need} bytes, whole in memory while it is stepped); "
+            f"the smallest budget that works for these parameters is {smallest} bytes "
+            f"({size_text(smallest)!r}{fixed})"
+        )
+
     def _rechunk(self) -> None:
         """Chunks of ~chunk_size parameter bytes per group (made again when the
         groups change; state already stored is moved to the new chunks)."""
@@ -272,35 +261,10 @@ class Optimizer(torch.optim.Optimizer):
         shape = [[(id(p), p.numel()) for p in g["params"]] for g in self.param_groups]
         if shape == self._chunked_groups:
             return
+        self._check_budget()  # groups added since: before anything changes
         if self._chunks:
             self._gather_state()
-        chunks: list[_Chunk] = []
-        for gi, g in enumerate(self.param_groups):
-            cur: list[tuple[int, torch.Tensor]] = []
-            size = 0
-            for p in g["params"]:
-                n = p.numel() * p.element_size()
-                per = self.chunk_size // p.element_size() // _PIECE * _PIECE
-                if n > 2 * self.chunk_size and per and p.is_contiguous() and p.numel() > per:
-                    # a parameter larger than two chunks: pieces of ~chunk_size, each a chunk
-                    if cur:
-                        chunks.append(_Chunk(f"g{gi}c{len(chunks)}", cur))
-                        cur, size = [], 0
-                    for lo in range(0, p.numel(), per):
-                        hi = min(p.numel(), lo + per)
-                        view = p.detach().view(-1)[lo:hi]
-                        chunks.append(_Chunk(f"g{gi}c{len(chunks)}", [(gi, view)], parent=p, lo=lo, hi=hi))
-                    continue
-                # a chunk less than half full takes the next parameter even past chunk_size:
-                # a bias between two weights joins the next weight instead of making a tiny
-                # chunk (chunks of even sizes share the pipeline's buffers best)
-                if cur and size + n > self.chunk_size and 2 * size >= self.chunk_size:
-                    chunks.append(_Chunk(f"g{gi}c{len(chunks)}", cur))
-                    cur, size = [], 0
-                cur.append((gi, p))
-                size += n
-            if cur:
-                chunks.append(_Chunk(f"g{gi}c{len(chunks)}", cur))
+        chunks = cut(self.param_groups, self.chunk_size)
         with self._lock:
             for c in self._chunks:
                 if c.resident is not None:
@@ -324,22 +288,22 @@ class Optimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._rechunk()
-        self._piece_views(grads=True)
+        piece_views(self._chunks, grads=True)
         try:
             return self._step(loss)
         finally:
-            self._piece_views(grads=False)
+            piece_views(self._chunks, grads=False)
 
     def _step(self, loss: float | None) -> float | None:
         todo = [c for c in self._chunks if any(p.grad is not None for _, p in c.params)]
-        _check_saved(todo)
+        check_saved(todo)
         pipe = self._pipe
         jobs: dict[int, Job] = {}
         for i, c in enumerate(todo):
             if c.resident is None:
                 key = c.key if c.stored else None
                 jobs[i] = Job(i, key, c.nbytes, concurrent.futures.Future())
-        writes: list[tuple[_Chunk, concurrent.futures.Future[None]]] = []
+        writes: list[tuple[Chunk, concurrent.futures.Future[None]]] = []
         held: list[torch.Tensor] = []  # pipeline buffers this thread holds now
         taken: set[int] = set()
         t_origin = time.perf_counter()
@@ -397,86 +361,22 @@ class Optimizer(torch.optim.Optimizer):
             finally:
                 if threads:
                     torch.set_num_threads(threads)
-                failed = _settle(writes)
+                failed = settle(writes)
         if failed is not None:
             raise failed
         self.steps += 1
+        if self._pipe.overdrafts and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"aionvme.offload.Optimizer went over its budget ({self.budget} bytes): "
+                f"{self.ledger.peak} bytes at peak, {self._pipe.overdrafts} overdraft(s); the state grew "
+                "past what the budget was checked for at the start: raise the budget",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         return loss
 
-    def _piece_views(self, grads: bool) -> None:
-        """The pieces of split parameters as views of their parameter's
-        memory now (made again when the parameter's memory was replaced), and
-        their gradients as views of its gradient (``grads``), or none."""
-        flat: dict[int, torch.Tensor | None] = {}  # each parameter's flat gradient, made once
-        for c in self._chunks:
-            p = c.parent
-            if p is None:
-                continue
-            gi, view = c.params[0]
-            if view.data_ptr() != p.data_ptr() + c.lo * p.element_size() or view.dtype != p.dtype:
-                view = p.detach().view(-1)[c.lo : c.hi]
-                c.params = [(gi, view)]
-            if id(p) not in flat:
-                g = p.grad if grads else None
-                flat[id(p)] = None if g is None else g.detach().reshape(-1)  # a copy only if not contiguous
-            g = flat[id(p)]
-            view.grad = None if g is None else g[c.lo : c.hi]
-
-    def _pieces(self) -> dict[int, list[_Chunk]]:
-        """The chunks of each split parameter (by id(parameter)), in order."""
-        out: dict[int, list[_Chunk]] = {}
-        for c in self._chunks:
-            if c.parent is not None:
-                out.setdefault(id(c.parent), []).append(c)
-        return out
-
-    def _join_pieces(self) -> None:
-        """Each split parameter's state as one entry of the wrapped optimizer's
-        ``state``, as the optimizer in memory has it: per-element tensors
-        (``exp_avg``, a master...) joined in order, the others (``step``)
-        from the first piece."""
-        state = self._inner.state
-        for pieces in self._pieces().values():
-            parent = pieces[0].parent
-            if parent is None:
-                continue
-            have = [c.params[0][1] in state for c in pieces]
-            if not any(have):
-                continue  # never stepped (no gradient yet): no state, as in memory
-            if not all(have):
-                # a step that failed part way through this parameter's pieces
-                raise StateLostError(
-                    f"the optimizer state of a {tuple(parent.shape)} parameter is partial: "
-                    f"{sum(have)} of its {len(pieces)} pieces have state (a step failed part way); "
-                    "load a state_dict to go on"
-                )
-            sts = [state.pop(c.params[0][1]) for c in pieces]
-            joined: dict[str, Any] = {}
-            for k, v in sts[0].items():
-                if isinstance(v, torch.Tensor) and v.numel() == pieces[0].hi - pieces[0].lo > 1:
-                    joined[k] = torch.cat([st[k].reshape(-1) for st in sts]).view(parent.shape)
-                else:
-                    joined[k] = v
-            state[parent] = joined
-
-    def _split_pieces(self) -> None:
-        """The inverse of _join_pieces: a split parameter's state (loaded, or
-        joined) into its pieces' entries, as views."""
-        state = self._inner.state
-        self._piece_views(grads=False)
-        for pieces in self._pieces().values():
-            parent = pieces[0].parent
-            st = None if parent is None else state.pop(parent, None)
-            if parent is None or st is None:
-                continue
-            n = parent.numel()
-            whole = {k for k, v in st.items() if isinstance(v, torch.Tensor) and v.numel() == n > 1}
-            for c in pieces:
-                state[c.params[0][1]] = {
-                    k: v.reshape(-1)[c.lo : c.hi] if k in whole else v for k, v in st.items()
-                }
-
-    def _may_keep(self, c: _Chunk) -> bool:
+    def _may_keep(self, c: Chunk) -> bool:
         """Keep a chunk's state in memory (pinned) when all the state fits the
         budget, or when what stays leaves the streaming room (chunks not yet
         stepped are estimated from the state/parameter ratio seen so far).
@@ -484,8 +384,8 @@ class Optimizer(torch.optim.Optimizer):
         runs for every streamed chunk at every step."""
         if self._plan is None:
             known = [x for x in self._chunks if x.spec]
-            ratio = max((x.nbytes / max(1, _param_bytes(x)) for x in known), default=2.0)
-            sizes = [x.nbytes if x.spec else _pages(int(ratio * _param_bytes(x))) for x in self._chunks]
+            ratio = max((x.nbytes / max(1, param_bytes(x)) for x in known), default=2.0)
+            sizes = [x.nbytes if x.spec else pages(int(ratio * param_bytes(x))) for x in self._chunks]
             with self._lock:
                 kept = sum(self.ledger.held.get(id(x), 0) for x in self._chunks)
             self._plan = [sum(sizes), max(sizes, default=0), kept]
@@ -494,7 +394,7 @@ class Optimizer(torch.optim.Optimizer):
             return True
         return kept + c.nbytes + max(3 * largest, self.stream_room) <= self.budget
 
-    def _kept(self, c: _Chunk, blob: torch.Tensor, nbytes: int) -> None:
+    def _kept(self, c: Chunk, blob: torch.Tensor, nbytes: int) -> None:
         """``blob`` (``nbytes`` in the ledger) is the chunk's resident state from now on."""
         c.resident = blob
         c.stored = False
@@ -502,7 +402,7 @@ class Optimizer(torch.optim.Optimizer):
         if self._plan is not None:
             self._plan[2] += nbytes
 
-    def _install(self, c: _Chunk, blob: torch.Tensor | None) -> None:
+    def _install(self, c: Chunk, blob: torch.Tensor | None) -> None:
         """Put the chunk's state into the wrapped optimizer as views of ``blob``."""
         state = self._inner.state
         for i, (_, p) in enumerate(c.params):
@@ -511,15 +411,15 @@ class Optimizer(torch.optim.Optimizer):
         if blob is None:
             return
         for i, k, dtype, shape, pos in c.spec:
-            state[c.params[i][1]][k] = _view(blob, dtype, shape, pos)
+            state[c.params[i][1]][k] = view(blob, dtype, shape, pos)
         for _, p in c.params:
             if not state[p]:
                 del state[p]
 
     def _is_low(self, p: torch.Tensor) -> bool:
-        return self.master_weights and p.dtype in _LOW
+        return self.master_weights and p.dtype in LOW
 
-    def _to_masters(self, c: _Chunk) -> list[torch.Tensor]:
+    def _to_masters(self, c: Chunk) -> list[torch.Tensor]:
         """The tensors the wrapped optimizer steps for this chunk: each
         parameter, or its fp32 master (a view of the blob, or made from the
         parameter) with the gradient cast to fp32; its state moves to the master."""
@@ -539,7 +439,7 @@ class Optimizer(torch.optim.Optimizer):
             out.append(m)
         return out
 
-    def _from_masters(self, c: _Chunk, stepped: list[torch.Tensor]) -> None:
+    def _from_masters(self, c: Chunk, stepped: list[torch.Tensor]) -> None:
         """Round each updated master into its parameter and give the state
         (the master included) back to the parameter's key."""
         state = self._inner.state
@@ -552,7 +452,7 @@ class Optimizer(torch.optim.Optimizer):
             st[MASTER] = m
             state[p] = st
 
-    def _run_inner(self, c: _Chunk, tensors: list[torch.Tensor] | None = None) -> None:
+    def _run_inner(self, c: Chunk, tensors: list[torch.Tensor] | None = None) -> None:
         """torch's step on this chunk's parameters (or ``tensors`` in their
         place, one each) alone."""
         groups = self._inner.param_groups
@@ -567,7 +467,7 @@ class Optimizer(torch.optim.Optimizer):
             for g, ps in zip(groups, saved, strict=True):
                 g["params"] = ps
 
-    def _pack(self, c: _Chunk, blob: torch.Tensor | None, held: list[torch.Tensor] | None) -> torch.Tensor:
+    def _pack(self, c: Chunk, blob: torch.Tensor | None, held: list[torch.Tensor] | None) -> torch.Tensor:
         """Take the chunk's state out of the wrapped optimizer into its blob:
         ``blob`` untouched when the state was updated in place (the usual
         case), else a new blob (the chunk's first step, or a layout that
@@ -576,7 +476,7 @@ class Optimizer(torch.optim.Optimizer):
         ``held`` None, fresh memory."""
         state = self._inner.state
         states = [state.pop(p, {}) for _, p in c.params]
-        spec, pos = _spec_of(states)
+        spec, pos = spec_of(states)
         c.extra = {
             i: {k: v for k, v in st.items() if not isinstance(v, torch.Tensor)}
             for i, st in enumerate(states)
@@ -585,11 +485,11 @@ class Optimizer(torch.optim.Optimizer):
         if blob is not None and spec == c.spec:
             for i, k, dtype, shape, at in spec:
                 v = states[i][k]
-                dst = _view(blob, dtype, shape, at)
+                dst = view(blob, dtype, shape, at)
                 if v.data_ptr() != dst.data_ptr() or v.stride() != dst.stride():
                     dst.copy_(v)  # replaced (not updated in place) by the optimizer
             return blob
-        nbytes = _pages(pos)
+        nbytes = pages(pos)
         old = None
         if held is None:
             new: torch.Tensor = empty(nbytes, "uint8", like="torch")
@@ -599,7 +499,7 @@ class Optimizer(torch.optim.Optimizer):
             new = self._loop.run(self._pipe.acquire(nbytes, step=True))
             held.append(new)
         for i, k, dtype, shape, at in spec:
-            _view(new, dtype, shape, at).copy_(states[i][k])
+            view(new, dtype, shape, at).copy_(states[i][k])
         if old is not None:
             self._loop.loop.call_soon_threadsafe(self._pipe.release, old)
         if c.resident is not None:
@@ -614,7 +514,7 @@ class Optimizer(torch.optim.Optimizer):
 
     def _gather_state(self) -> None:
         """Every chunk's state into the wrapped optimizer's ``state`` (read whole)."""
-        _check_saved(self._chunks)
+        check_saved(self._chunks)
         futs = {
             i: self._loop.submit(self._store.read(c.key, c.nbytes))
             for i, c in enumerate(self._chunks)
@@ -626,12 +526,12 @@ class Optimizer(torch.optim.Optimizer):
                 blob = blob.clone()  # the caller's copy must not change with later steps
             if blob is not None or c.extra:
                 self._install(c, blob)
-        self._join_pieces()
+        join_pieces(self._inner.state, self._chunks)
 
     def _scatter_state(self) -> None:
         """The wrapped optimizer's ``state`` out to the chunks (resident or written)."""
-        self._split_pieces()
-        futs: list[tuple[_Chunk, concurrent.futures.Future[None]]] = []
+        split_pieces(self._inner.state, self._chunks)
+        futs: list[tuple[Chunk, concurrent.futures.Future[None]]] = []
         for c in self._chunks:
             if not any(p in self._inner.state for _, p in c.params):
                 continue
@@ -644,7 +544,7 @@ class Optimizer(torch.optim.Optimizer):
             else:
                 futs.append((c, self._loop.submit(self._store.write(c.key, blob))))
                 c.stored = True
-        failed = _settle(futs)
+        failed = settle(futs)
         self._inner.state.clear()
         if failed is not None:
             raise failed

@@ -15,11 +15,26 @@ from dataclasses import dataclass, field
 
 from ..exceptions import AionvmeError
 
-__all__ = ["BudgetError", "Ledger", "ResidencyPlan", "StateLostError", "plan_residency", "upcoming"]
+__all__ = [
+    "BudgetError",
+    "InferenceOnlyError",
+    "Ledger",
+    "ResidencyPlan",
+    "StateLostError",
+    "plan_residency",
+    "upcoming",
+]
 
 
 class BudgetError(AionvmeError, MemoryError):
     """The memory budget cannot hold what must be resident at once."""
+
+
+class InferenceOnlyError(AionvmeError, RuntimeError):
+    """A streamed model was run with autograd on. Streaming is inference only:
+    a block's weights are released once it has run, and a backward pass
+    would need them again (and gradients for them). Run the model under
+    ``torch.inference_mode()`` or ``torch.no_grad()``."""
 
 
 class StateLostError(AionvmeError, RuntimeError):

@@ -4,7 +4,6 @@ NVMe block by block, just before each block runs, under a memory budget."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import os
 import shutil
@@ -12,7 +11,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,111 +19,28 @@ from torch import nn
 from ..defaults import parse_size
 from ..file import File
 from ..file import open as nvme_open
-from ..formats import TensorNotFoundError
 from ..memory import empty
 from ..store import StoreTimeoutError, TieredStore
-from ._index import Entry, WeightIndex, read_index
+from ._index import WeightIndex, read_index
 from ._loop import LoopThread
-from ._planner import BudgetError, Ledger, ResidencyPlan, plan_residency, upcoming
+from ._planner import BudgetError, InferenceOnlyError, Ledger, ResidencyPlan, plan_residency, upcoming
+from ._units import (
+    ABSENT,
+    ALIGN,
+    LOADING,
+    READY,
+    Unit,
+    build_units,
+    itemsize,
+    needs_copy,
+    placeholder,
+    round_up,
+)
 
 __all__ = ["Streamer", "stream", "streamer_of"]
 
-_ALIGN = 4096  # O_DIRECT offset/length alignment that every device we know accepts
-_MERGE_GAP = 256 * 1024  # reading a gap this small costs less than another request
 _ATTR = "_aionvme_streamer"
 _TIMELINE_MAX = 100_000
-
-ABSENT, LOADING, READY = 0, 1, 2
-
-
-def _round_up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
-
-
-@dataclass
-class _Slot:
-    """One distinct tensor of the model (all the names it has, tied weights included)."""
-
-    entry: Entry
-    target: torch.dtype
-    param: nn.Parameter | None  # its Parameter once streaming (kept, .data swapped); None for a buffer
-    buffer_refs: list[tuple[nn.Module, str]]  # every (module, name) holding it
-    shape: tuple[int, ...]
-    is_param: bool = False
-    run: int = 0  # the read (store key) of its unit that holds its bytes
-    pos: int = 0  # where its bytes are in that read
-
-
-@dataclass
-class _Unit:
-    id: int
-    name: str
-    roots: list[nn.Module]
-    slots: list[_Slot]
-    extents: list[tuple[str, int, int, int]] = field(default_factory=list)  # (file, offset, length, buf pos)
-    keys: list[tuple[int, int]] = field(default_factory=list)  # the store key of each extent
-    holds: list[Any] = field(default_factory=list)  # the store holds of its extents while resident
-    outside: int = 0  # bytes it holds outside the store (converted copies, a direct read)
-    buf_bytes: int = 0
-    nbytes: int = 0  # reserved while resident: the read buffer plus converted copies
-    state: int = ABSENT
-    future: concurrent.futures.Future[dict[int, torch.Tensor]] | None = None
-    active: int = 0
-
-
-def _placeholder(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A tensor of the right shape and dtype backed by one element: what a
-    released weight holds (4 bytes instead of its size)."""
-    return torch.zeros(1, dtype=dtype, device=device).as_strided(shape, [0] * len(shape))
-
-
-def _largest_module_list(model: nn.Module) -> nn.Module | None:
-    """The container of the model's repeated layers: the ModuleList (or
-    Sequential) with the most children, then the most parameters."""
-    best: nn.Module | None = None
-    best_key = (1, 0)
-    for m in model.modules():
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 1:
-            size = sum(p.numel() for p in m.parameters())
-            key = (len(m), size)
-            if key > best_key:
-                best, best_key = m, key
-    return best
-
-
-def _contains(module: nn.Module, target: nn.Module) -> bool:
-    return any(m is target for m in module.modules())
-
-
-def _group_roots(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
-    """(name, module, recurse) per group: each child of the largest ModuleList,
-    and each maximal submodule outside it that holds tensors; a module on the
-    path to the list that holds tensors itself gives a group of those alone."""
-    blocks = _largest_module_list(model)
-    out: list[tuple[str, nn.Module, bool]] = []
-
-    def has_tensors(m: nn.Module, recurse: bool) -> bool:
-        return any(True for _ in m.parameters(recurse=recurse)) or any(
-            True for _ in m.buffers(recurse=recurse)
-        )
-
-    def walk(name: str, m: nn.Module) -> None:
-        if blocks is not None and m is blocks:
-            for cname, c in m.named_children():
-                if has_tensors(c, True):
-                    out.append((f"{name}.{cname}" if name else cname, c, True))
-            return
-        if blocks is not None and _contains(m, blocks):
-            if has_tensors(m, False):
-                out.append((name or "<root>", m, False))
-            for cname, c in m.named_children():
-                walk(f"{name}.{cname}" if name else cname, c)
-            return
-        if has_tensors(m, True):
-            out.append((name or "<root>", m, True))
-
-    walk("", model)
-    return out
 
 
 class Streamer:
@@ -168,7 +83,7 @@ class Streamer:
         self._lock = threading.Lock()
         self.peak_memory = 0  # sampled at every hook: store host tier + bytes outside it
         self._evict_released = False  # True when blocks are converted: copies live outside the store
-        self.units = self._build_units(dtype, source)
+        self.units = build_units(model, index, dtype, device, source)
         self.schedule: list[int] = [u.id for u in self.units]
         self._recording: list[int] | None = None
         self._pos = 0
@@ -179,7 +94,7 @@ class Streamer:
         # slab directory stays empty (nothing is put) and goes on close().
         self._scratch = tempfile.mkdtemp(prefix="aionvme-stream-")
         self._store = TieredStore(self._scratch, host=budget, persist=False)
-        if any(self._needs_copy(sl) for u in self.units for sl in u.slots):
+        if any(needs_copy(sl, self.device) for u in self.units for sl in u.slots):
             self._evict_released = True
         try:
             self._loop.run(self._attach_all())
@@ -199,162 +114,10 @@ class Streamer:
 
     # -- construction ------------------------------------------------------------
 
-    def _build_units(self, dtype: torch.dtype | None, source: str) -> list[_Unit]:
-        model = self.model
-        # Every (module, name) that refers to each distinct tensor.
-        params: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]] = {}
-        buffers: dict[int, tuple[torch.Tensor, list[tuple[nn.Module, str, str]]]] = {}
-        for mname, m in model.named_modules(remove_duplicate=False):
-            prefix = f"{mname}." if mname else ""
-            for pname, p in m._parameters.items():
-                if p is not None:
-                    params.setdefault(id(p), (p, []))[1].append((m, pname, prefix + pname))
-            for bname, b in m._buffers.items():
-                if b is not None:
-                    buffers.setdefault(id(b), (b, []))[1].append((m, bname, prefix + bname))
-        entries = self.index.entries
-        slots: dict[int, _Slot] = {}
-        missing: list[str] = []
-
-        def find(refs: list[tuple[nn.Module, str, str]]) -> Entry | None:
-            for _, _, full in refs:
-                if full in entries:
-                    return entries[full]
-            return None
-
-        for p, refs in params.values():
-            e = find(refs)
-            if e is None:
-                if p.is_meta:
-                    missing.append(refs[0][2])
-                continue
-            target = self._target(p.dtype, e, dtype)
-            self._check_shape(e, tuple(p.shape), refs[0][2])
-            slots[id(p)] = _Slot(e, target, None, [(m, n) for m, n, _ in refs], e.shape, is_param=True)
-        for b, brefs in buffers.values():
-            e = find(brefs)
-            if e is None:
-                if b.is_meta:
-                    m0, name0, full0 = brefs[0]
-                    if name0 in m0._non_persistent_buffers_set:
-                        raise ValueError(
-                            f"buffer {full0} is on the meta device, and checkpoints do not hold it "
-                            "(a non-persistent buffer, computed when the module is built): build the "
-                            "model with accelerate.init_empty_weights(), which leaves buffers real"
-                        )
-                    missing.append(full0)
-                continue
-            target = self._target(b.dtype, e, dtype)
-            self._check_shape(e, tuple(b.shape), brefs[0][2])
-            slots[id(b)] = _Slot(e, target, None, [(m, n) for m, n, _ in brefs], e.shape)
-        if missing:
-            raise TensorNotFoundError(missing, source)
-
-        # Groups of modules, then the distinct tensors each one uses; groups
-        # sharing a tensor (tied weights) are merged into one unit.
-        groups = _group_roots(model)
-        group_slots: list[list[int]] = []
-        for _, root, recurse in groups:
-            keys = [id(t) for t in root.parameters(recurse=recurse)] + [
-                id(t) for t in root.buffers(recurse=recurse)
-            ]
-            group_slots.append([k for k in dict.fromkeys(keys) if k in slots])
-        parent = list(range(len(groups)))
-
-        def top(i: int) -> int:
-            while parent[i] != i:
-                parent[i] = parent[parent[i]]
-                i = parent[i]
-            return i
-
-        owner: dict[int, int] = {}
-        for gi, keys in enumerate(group_slots):
-            for k in keys:
-                if k in owner:
-                    parent[top(gi)] = top(owner[k])
-                else:
-                    owner[k] = gi
-        merged: dict[int, list[int]] = {}
-        for gi in range(len(groups)):
-            if group_slots[gi]:
-                merged.setdefault(top(gi), []).append(gi)
-        units: list[_Unit] = []
-        for members in sorted(merged.values()):
-            keys = list(dict.fromkeys(k for gi in members for k in group_slots[gi]))
-            u = _Unit(
-                len(units),
-                "+".join(groups[gi][0] for gi in members),
-                [groups[gi][1] for gi in members],
-                [slots[k] for k in keys],
-            )
-            self._plan_reads(u)
-            units.append(u)
-        return units
-
     async def _attach_all(self) -> None:
         for u in self.units:
             for key, (path, off, length, _pos) in zip(u.keys, u.extents, strict=True):
                 await self._store.attach(key, path, off, (length,), "uint8")
-
-    def _target(self, model_dtype: torch.dtype, e: Entry, asked: torch.dtype | None) -> torch.dtype:
-        stored: torch.dtype = getattr(torch, e.dtype)
-        if asked is not None and stored.is_floating_point:
-            return asked
-        if model_dtype.is_floating_point and stored.is_floating_point:
-            return model_dtype
-        return stored
-
-    @staticmethod
-    def _check_shape(e: Entry, shape: tuple[int, ...], name: str) -> None:
-        if e.shape != shape:
-            raise ValueError(f"{name}: the model has shape {shape}, the checkpoint {e.shape} ({e.path})")
-
-    def _plan_reads(self, u: _Unit) -> None:
-        """One request per file for the unit: its tensors' byte ranges, sorted,
-        merged across small gaps, widened to the O_DIRECT alignment, packed
-        into one page-aligned buffer; each tensor a view at its position."""
-        by_file: dict[str, list[_Slot]] = {}
-        for s in u.slots:
-            by_file.setdefault(s.entry.path, []).append(s)
-        pos = 0
-        converted = 0
-        for path, ss in by_file.items():
-            ss.sort(key=lambda s: s.entry.offset)
-            runs: list[list[_Slot]] = []
-            for s in ss:
-                if runs:
-                    last = runs[-1][-1].entry
-                    if s.entry.offset - (last.offset + last.nbytes) <= _MERGE_GAP:
-                        runs[-1].append(s)
-                        continue
-                runs.append([s])
-            for run in runs:
-                start = run[0].entry.offset // _ALIGN * _ALIGN
-                # widened to the block size, but not past the end of the file
-                end = min(
-                    _round_up(max(s.entry.offset + s.entry.nbytes for s in run), _ALIGN),
-                    self.index.sizes[path],
-                )
-                for s in run:
-                    s.run = len(u.extents)
-                    s.pos = s.entry.offset - start
-                u.keys.append((u.id, len(u.extents)))
-                u.extents.append((path, start, end - start, pos))
-                pos += _round_up(end - start, _ALIGN)
-        for s in u.slots:
-            if self._needs_copy(s):
-                converted += _round_up(s.entry.nbytes // _itemsize(s.entry.dtype) * _itemsize_t(s.target), 64)
-        u.buf_bytes = pos
-        # A converted or device copy replaces the read buffer once it is made;
-        # both exist for a moment, so both are reserved.
-        u.nbytes = pos + converted
-
-    def _needs_copy(self, s: _Slot) -> bool:
-        return (
-            getattr(torch, s.entry.dtype) != s.target
-            or self.device.type != "cpu"
-            or s.pos % _itemsize(s.entry.dtype) != 0
-        )
 
     def _replan(self) -> ResidencyPlan:
         return plan_residency([u.nbytes for u in self.units], self.schedule, self.budget, self.prefetch)
@@ -365,7 +128,7 @@ class Streamer:
         ``.data`` is swapped between the placeholder and the loaded view."""
         for u in self.units:
             for s in u.slots:
-                ph = _placeholder(s.shape, s.target, self.device)
+                ph = placeholder(s.shape, s.target, self.device)
                 if s.is_param:
                     s.param = nn.Parameter(ph, requires_grad=False)
                     for m, name in s.buffer_refs:
@@ -382,13 +145,13 @@ class Streamer:
         self._hooks.append(self.model.register_forward_pre_hook(self._pass_begin))
         self._hooks.append(self.model.register_forward_hook(self._pass_end, always_call=True))
 
-    def _pre_hook(self, u: _Unit) -> Any:
+    def _pre_hook(self, u: Unit) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
             self.acquire(u)
 
         return hook
 
-    def _post_hook(self, u: _Unit) -> Any:
+    def _post_hook(self, u: Unit) -> Any:
         def hook(module: nn.Module, args: Any, out: Any) -> None:
             self.done(u)
 
@@ -399,12 +162,15 @@ class Streamer:
     def _pass_begin(self, module: nn.Module, args: Any) -> None:
         if self._closed:
             raise RuntimeError("this model's streamer is closed")
+        _inference_only()
         self._recording = []
         self._pos = 0
         self._top_up()
 
     def _pass_end(self, module: nn.Module, args: Any, out: Any) -> None:
         rec, self._recording = self._recording, None
+        if rec is None:
+            return  # refused as it began (always_call runs this hook even then)
         self.passes += 1
         if rec and rec != self.schedule:
             # The first pass tells the real order (the module order was a guess).
@@ -416,8 +182,9 @@ class Streamer:
         self._pos = 0
         self._top_up()  # the next pass's first blocks, read while the caller works
 
-    def acquire(self, u: _Unit) -> None:
+    def acquire(self, u: Unit) -> None:
         """Make ``u`` resident and bound to the model (pre-forward)."""
+        _inference_only()  # a block called on its own, outside a pass
         if self._recording is not None and (not self._recording or self._recording[-1] != u.id):
             self._recording.append(u.id)
         n = len(self.schedule)
@@ -440,7 +207,7 @@ class Streamer:
         self._top_up()
         self._mark(u.name, "wait", t0)
 
-    def done(self, u: _Unit) -> None:
+    def done(self, u: Unit) -> None:
         """``u`` has run (post-forward): release it unless it is kept."""
         u.active = max(0, u.active - 1)
         self._mark(u.name, "compute", self._last_mark)
@@ -454,10 +221,10 @@ class Streamer:
         used = int(self._store.stats()["host"]["used"]) + self._outside
         self.peak_memory = max(self.peak_memory, used)
 
-    def _keep(self, u: _Unit) -> bool:
+    def _keep(self, u: Unit) -> bool:
         return u.id in self.plan.pinned or u.id in upcoming(self.schedule, self._pos, self.prefetch)
 
-    def _make_room(self, u: _Unit) -> None:
+    def _make_room(self, u: Unit) -> None:
         """Free read-ahead that is not needed before ``u`` so that ``u`` fits."""
         if self.ledger.fits(u.nbytes):
             return
@@ -491,12 +258,12 @@ class Streamer:
 
     # -- loading -----------------------------------------------------------------
 
-    def _start_load(self, u: _Unit) -> None:
+    def _start_load(self, u: Unit) -> None:
         self.ledger.reserve(u.id, u.nbytes)
         u.state = LOADING
         u.future = self._loop.submit(self._read(u))
 
-    def _finish_load(self, u: _Unit) -> None:
+    def _finish_load(self, u: Unit) -> None:
         fut = u.future
         if fut is None:
             raise RuntimeError(f"block {u.name} has no load in flight")
@@ -518,9 +285,9 @@ class Streamer:
         u.state = READY
         self.loads += 1
 
-    def _release(self, u: _Unit) -> None:
+    def _release(self, u: Unit) -> None:
         for s in u.slots:
-            ph = _placeholder(s.shape, s.target, self.device)
+            ph = placeholder(s.shape, s.target, self.device)
             if s.param is not None:
                 s.param.data = ph
             else:
@@ -539,7 +306,7 @@ class Streamer:
             u.outside = 0
         self.ledger.release(u.id)
 
-    async def _unhold(self, u: _Unit, holds: list[Any]) -> None:
+    async def _unhold(self, u: Unit, holds: list[Any]) -> None:
         """End a unit's holds. Its bytes stay in the store's host tier (a later
         load is a hit) until the store evicts them for another unit; unless
         weights live outside the store too, which the budget must then cover:
@@ -558,7 +325,7 @@ class Streamer:
             f = self._files[path] = nvme_open(path, "r")
         return f
 
-    async def _hold_all(self, u: _Unit) -> list[torch.Tensor | None]:
+    async def _hold_all(self, u: Unit) -> list[torch.Tensor | None]:
         """Hold every read of ``u`` in the store's host tier (loaded from the
         checkpoint on a miss, all at once): views of the store's memory. None
         for a read the tier has no room for without waiting: the ledger keeps
@@ -573,19 +340,19 @@ class Streamer:
         u.holds = [h for h, g in zip(holds, got, strict=True) if not isinstance(g, BaseException)]
         return [None if isinstance(g, BaseException) else g for g in got]
 
-    def _add_outside(self, u: _Unit, nbytes: int) -> None:
+    def _add_outside(self, u: Unit, nbytes: int) -> None:
         with self._lock:
             u.outside += nbytes
             self._outside += nbytes
 
-    async def _read_direct(self, u: _Unit, views: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    async def _read_direct(self, u: Unit, views: list[torch.Tensor | None]) -> list[torch.Tensor]:
         """The reads the store could not place, into memory of the unit's own
         (one batched request per file): the fallback when the store's host tier
         is too fragmented. Cached, unheld units are dropped from the store
         first, and at every release while it is resident, so that the store's
         host tier and this memory together stay within the budget."""
         missing = [j for j, v in enumerate(views) if v is None]
-        size = sum(_round_up(u.extents[j][2], _ALIGN) for j in missing)
+        size = sum(round_up(u.extents[j][2], ALIGN) for j in missing)
         # Counted before anything is awaited: a unit released from now on drops
         # its bytes from the store (see _release/_unhold) instead of leaving them
         # cached while the budget already counts them free. Counted after the
@@ -606,7 +373,7 @@ class Streamer:
                 path, off, length, _ = u.extents[j]
                 out[j] = buf[pos : pos + length]
                 by_file.setdefault(path, []).append((out[j], off))
-                pos += _round_up(length, _ALIGN)
+                pos += round_up(length, ALIGN)
             # every file's reads end before buf is let go, even when one fails
             results = await asyncio.gather(
                 *(self._file(p).pread_many(items) for p, items in by_file.items()), return_exceptions=True
@@ -621,7 +388,7 @@ class Streamer:
         self.direct_bytes += sum(u.extents[j][2] for j in missing)
         return [v for v in out if v is not None]
 
-    async def _read(self, u: _Unit) -> dict[int, torch.Tensor]:
+    async def _read(self, u: Unit) -> dict[int, torch.Tensor]:
         """On the loop thread: the unit's reads held in the store (or read
         directly, see _read_direct); the tensors are views of them."""
         t0 = time.perf_counter()
@@ -637,12 +404,12 @@ class Streamer:
             e = s.entry
             stored = getattr(torch, e.dtype)
             raw = views[s.run][s.pos : s.pos + e.nbytes]
-            if s.pos % _itemsize(e.dtype) == 0:
+            if s.pos % itemsize(e.dtype) == 0:
                 out[k] = raw.view(stored).view(e.shape)
             else:
                 out[k] = raw.clone().view(stored).view(e.shape)
                 self._add_outside(u, e.nbytes)
-            if self._needs_copy(s):
+            if needs_copy(s, self.device):
                 copies.append(k)
         if copies:
             # Conversions and device copies are real work: off the loop thread.
@@ -738,12 +505,17 @@ class Streamer:
             delattr(self.model, _ATTR)
 
 
-def _itemsize(dtype_name: str) -> int:
-    return int(torch.empty(0, dtype=getattr(torch, dtype_name)).element_size())
-
-
-def _itemsize_t(dtype: torch.dtype) -> int:
-    return int(torch.empty(0, dtype=dtype).element_size())
+def _inference_only() -> None:
+    """InferenceOnlyError unless autograd is off: a pass under grad mode would
+    build a graph over weights released as soon as their block has run, and
+    ``backward()`` would fail on torch's "does not require grad" (or, with an
+    input that requires grad, read weights that are gone)."""
+    if torch.is_grad_enabled():
+        raise InferenceOnlyError(
+            "aionvme.offload.stream() runs models for inference only (each block's weights are released "
+            "once it has run, so there is no backward pass through them); autograd is on: run the model "
+            "under torch.inference_mode() or torch.no_grad()"
+        )
 
 
 def stream(
@@ -792,6 +564,8 @@ def stream(
     ------
     BudgetError
         The budget cannot hold the largest block.
+    InferenceOnlyError
+        Later, from ``model(inputs)`` under grad mode (not raised by ``stream``).
     TensorNotFoundError
         A meta-device parameter or buffer has no tensor in the checkpoint.
 
@@ -816,8 +590,9 @@ def stream(
     first pass records the order in which blocks run; the residency plan
     pins as many blocks as the budget allows (all of them when the model
     fits, so later passes do no I/O). Streaming is for inference: parameters
-    are set to ``requires_grad=False``; run under ``torch.no_grad()`` or
-    ``torch.inference_mode()`` so autograd does not keep released weights alive.
+    are set to ``requires_grad=False``, and a forward with autograd on raises
+    :class:`InferenceOnlyError` before anything is read; run under
+    ``torch.no_grad()`` or ``torch.inference_mode()``.
     """
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
