@@ -95,7 +95,9 @@ class AtomicWriter:
         The temporary file, in ``path``'s directory, mode 0600 until the commit.
     """
 
-    def __init__(self, path: PathLike, *, direct: bool | None = None, durable: bool = True) -> None:
+    def __init__(
+        self, path: PathLike, *, direct: bool | None = None, durable: bool = True, mode: int | None = None
+    ) -> None:
         # realpath: a symlinked target (or directory) is written through, and
         # the temporary file lands on the filesystem the rename happens on.
         self.path = os.path.realpath(os.path.abspath(os.fsdecode(path)))
@@ -105,11 +107,15 @@ class AtomicWriter:
         self.tmp_path = os.path.join(self.directory, _temp_name(self.directory, os.path.basename(self.path)))
         self.file: File | None = None
         self._mode = 0o600
+        self._want = mode
 
     def _open(self) -> File:
         try:
-            # keep the target's permissions; a new file gets what open(2) would give it
-            self._mode = stat.S_IMODE(os.stat(self.path).st_mode)
+            if self._want is not None:
+                self._mode = self._want  # the caller's permissions, whatever the target had
+            else:
+                # keep the target's permissions; a new file gets what open(2) would give it
+                self._mode = stat.S_IMODE(os.stat(self.path).st_mode)
         except FileNotFoundError:
             self._mode = 0o666 & ~_umask()
         except OSError as e:
@@ -220,7 +226,9 @@ class AtomicWriter:
         self._publish()
 
 
-def atomic_write(path: PathLike, *, direct: bool | None = None, durable: bool = True) -> AtomicWriter:
+def atomic_write(
+    path: PathLike, *, direct: bool | None = None, durable: bool = True, mode: int | None = None
+) -> AtomicWriter:
     """Crash-safe whole-file write::
 
         async with nvme.atomic_write("/nvme/ckpt.bin") as f:
@@ -236,7 +244,8 @@ def atomic_write(path: PathLike, *, direct: bool | None = None, durable: bool = 
     Permissions: the new file gets the target's mode (a new target:
     ``0666 & ~umask``), but only at the commit; until then the temporary file
     is 0600, so other users cannot open it and read a private file's new
-    content. Owner and group are those of the writing process.
+    content. ``mode=`` gives the new file these permissions instead (not
+    masked by the umask). Owner and group are those of the writing process.
 
     Symbolic links: when ``path`` is a symlink, the file it points to is
     replaced (in its own directory) and the link is kept, as editors do; a
@@ -244,4 +253,4 @@ def atomic_write(path: PathLike, *, direct: bool | None = None, durable: bool = 
     temporary name is shortened where the 18 bytes it adds would pass the
     directory's name limit.
     """
-    return AtomicWriter(path, direct=direct, durable=durable)
+    return AtomicWriter(path, direct=direct, durable=durable, mode=mode)
