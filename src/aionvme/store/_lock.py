@@ -26,13 +26,14 @@ from ._errors import StoreLockedError
 __all__ = ["LOCKNAME", "DirLock"]
 
 LOCKNAME = "aionvme-store.lock"
+_PIDLEN = 24
 
 
 def _holder(fd: int) -> int | None:
     """The pid written in a lock file, or None (being written, or unreadable)."""
     try:
-        raw = os.pread(fd, 32, 0)
-        return int(raw.split(b"\n", 1)[0]) if raw else None
+        raw = os.pread(fd, _PIDLEN, 0).split(b"\n", 1)[0]
+        return int(raw) if raw else None
     except (OSError, ValueError):
         return None
 
@@ -64,8 +65,10 @@ class DirLock:
                     raise StoreLockedError(directory, _holder(fd)) from None
                 raise OSError(e.errno, e.strerror, path) from None
             # ours now: the pid of the holder, for the error another opener gets
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            # (in place, in a fixed width: rewriting a block on a full disk
+            # needs no new one; the lock works even where this write fails)
+            with contextlib.suppress(OSError):
+                os.pwrite(fd, f"{os.getpid()}\n".ljust(_PIDLEN).encode(), 0)
         except BaseException:
             os.close(fd)
             raise
