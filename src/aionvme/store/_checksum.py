@@ -8,14 +8,16 @@ is in flight (the buffer cannot change until the write ends), so a put or
 an eviction waits for nothing more. Reads: a verified value of
 :data:`SEGMENT_MIN` bytes or more is read as a few segments, each its own
 request, all queued at once; as each one lands (in order) the streaming hash
-takes it on the loop thread (at most :data:`SEGMENT_MAX` bytes, ~0.2 ms, at
-a time), so the hash runs under the read of the next segments and only the
-last segment's hash is added to the read. See bench/README.md for the cost.
+takes it on a thread of its own (the GIL released, the loop free to reap and
+refill the other requests), so the hash runs under the read of the next
+segments and only the last segment's hash is added to the read. See
+bench/README.md for the cost.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from collections.abc import Awaitable, Sequence
 from typing import Any
 
@@ -61,18 +63,19 @@ def segment_size(n: int) -> int:
 
 class Segmented:
     """A verified read of one value split into segments, hashed in order as
-    they land. ``jobs`` are the NVMe tier's read jobs of the segments (one
-    request each); ``view`` the value's bytes; ``ranges`` the part of
-    ``view`` each segment completes."""
+    they land. ``jobs`` are the segments' (file offset, buffer), each read
+    by one File.pread (the C fast path: no Python object per chunk);
+    ``view`` the value's bytes; ``ranges`` the part of ``view`` each
+    segment completes."""
 
     def __init__(self, key: Any, expected: int, ext: Any, buf: Any, whole: bool) -> None:
         self.key = key
         self.expected = expected
         self.ext = ext
         self.hasher = xxhash.xxh3_64()
-        self.jobs: list[tuple[Any, Any]] = []
+        self.jobs: list[tuple[int, Any]] = []
         self.ranges: list[tuple[int, int]] = []
-        ((i, off, _boff, n),) = ext
+        ((self.slab, off, _boff, n),) = ext
         if whole:  # buf: the page-aligned pages of the span; the value starts at off's phase in them
             p = off % ALIGN
             base, total = off - p, round_up(p + n)
@@ -83,28 +86,46 @@ class Segmented:
         step = segment_size(n)
         for a in range(0, total, step):
             b = min(a + step, total)
-            if whole:
-                self.jobs.append(([(i, base + a, 0, b - a)], buf[a:b]))
+            if not whole and b == total and len(buf) < round_up(b):
+                self.jobs.append((base + a, buf[a:b]))  # the value's end is not page-padded: exact
             else:
-                self.jobs.append(([(i, base + a, 0, b - a)], buf[a:]))
+                self.jobs.append((base + a, buf[a : round_up(b)]))
             self.ranges.append((max(a - p, 0), min(b - p, n)))
         self._next = 0
         self._done: list[bool] = [False] * len(self.jobs)
+        self._last: concurrent.futures.Future[None] | None = None
 
     def landed(self, k: int, fut: asyncio.Future[Any]) -> None:
-        """Done callback of segment k: hash every segment landed in order."""
+        """Done callback of segment k: every segment landed in order goes to
+        the hashing thread (one thread: the updates of a value keep their order)."""
         if fut.cancelled() or fut.exception() is not None:
             return
         self._done[k] = True
         while self._next < len(self._done) and self._done[self._next]:
             a, b = self.ranges[self._next]
             if b > a:
-                self.hasher.update(_host(self.view[a:b]))
+                self._last = _hash_pool().submit(self.hasher.update, _host(self.view[a:b]))
             self._next += 1
 
-    def finished(self) -> int | None:
+    async def finished(self) -> int | None:
         """The digest once every segment has been hashed, else None."""
-        return self.hasher.intdigest() if self._next == len(self._done) else None
+        if self._next != len(self._done):
+            return None
+        if self._last is not None:
+            await asyncio.wrap_future(self._last)
+        return int(self.hasher.intdigest())
+
+
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _hash_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The thread that hashes segments as they land: off the loop thread, so
+    the loop goes on reaping and refilling the read's other requests."""
+    global _POOL
+    if _POOL is None:
+        _POOL = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aionvme-store-hash")
+    return _POOL
 
 
 async def gather_all(futs: Sequence[Awaitable[Any]]) -> None:

@@ -558,15 +558,16 @@ class NvmeTier:
             after.append((view, n, c, key, first))
         futs, keep = self._submit(plain, False) if plain else ([], None)
         for sg in segs:
-            for k, sub in enumerate(sg.jobs):
-                f = asyncio.ensure_future(self._submit([sub], False)[0][0])
+            file = self.slabs[sg.slab].file
+            for k, (off, buf) in enumerate(sg.jobs):
+                f = file.pread(buf, off)
                 f.add_done_callback(functools.partial(sg.landed, k))
                 futs.append(f)
         await gather_all(futs)
         del keep
         loop = asyncio.get_running_loop()
         for sg in segs:
-            got = sg.finished()  # its segments' callbacks ran before this task resumed
+            got = await sg.finished()  # its segments' callbacks ran before this task resumed
             if got is None:
                 got = await loop.run_in_executor(None, digest, sg.view, len(sg.view))
             if got != sg.expected:
