@@ -22,7 +22,6 @@ from collections.abc import Awaitable, Sequence
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from ._alloc import ALIGN, round_up
 from ._values import is_cuda
@@ -32,7 +31,21 @@ __all__ = ["Segmented", "digest", "digest_later"]
 INLINE_MAX = 1 << 20  # values hashed on the loop thread at once below this; on a thread from it
 SEGMENT_MIN = 1 << 20  # verified reads from this size are split into segments hashed as they land
 SEGMENT_MAX = 4 << 20
-SEGMENTS = 8  # about this many segments per value (each at least 256 KiB, at most SEGMENT_MAX)
+SEGMENTS = 8  # about this many segments per value (each at least TAIL, at most SEGMENT_MAX)
+TAIL = 256 << 10  # the last segment: its hash (~10 µs) is what a read waits for after its I/O
+
+
+def xxhash_module() -> Any:
+    """The xxhash package (a dependency of aionvme), imported at first use:
+    ImportError saying what to do if it is missing."""
+    try:
+        import xxhash
+    except ImportError:
+        raise ImportError(
+            "TieredStore's value checksums need the xxhash package (pip install xxhash), "
+            "or pass checksum=False"
+        ) from None
+    return xxhash
 
 
 def _host(buf: Any) -> Any:
@@ -47,7 +60,7 @@ def _host(buf: Any) -> Any:
 
 def digest(buf: Any, n: int) -> int:
     """xxh3_64 of the first n bytes of a flat uint8 buffer."""
-    return int(xxhash.xxh3_64_intdigest(_host(buf[:n])))
+    return int(xxhash_module().xxh3_64_intdigest(_host(buf[:n])))
 
 
 async def digest_later(buf: Any, n: int) -> int:
@@ -58,7 +71,15 @@ async def digest_later(buf: Any, n: int) -> int:
 
 
 def segment_size(n: int) -> int:
-    return min(SEGMENT_MAX, max(256 << 10, round_up(-(-n // SEGMENTS))))
+    return min(SEGMENT_MAX, max(TAIL, round_up(-(-n // SEGMENTS))))
+
+
+def _bounds(total: int, step: int) -> list[tuple[int, int]]:
+    """Segments of ``step`` bytes, the last one at most TAIL: its hash is
+    the only one the read waits for once every byte has landed."""
+    cut = max(0, total - TAIL)
+    out = [(a, min(a + step, cut)) for a in range(0, cut, step)]
+    return [*out, (cut, total)]
 
 
 class Segmented:
@@ -72,7 +93,7 @@ class Segmented:
         self.key = key
         self.expected = expected
         self.ext = ext
-        self.hasher = xxhash.xxh3_64()
+        self.hasher = xxhash_module().xxh3_64()
         self.jobs: list[tuple[int, Any]] = []
         self.ranges: list[tuple[int, int]] = []
         ((self.slab, off, _boff, n),) = ext
@@ -83,9 +104,7 @@ class Segmented:
         else:  # buf: the value's bytes (and maybe the rest of its last page), off page-aligned
             p, base, total = 0, off, n
             self.view = buf[:n]
-        step = segment_size(n)
-        for a in range(0, total, step):
-            b = min(a + step, total)
+        for a, b in _bounds(total, segment_size(n)):
             if not whole and b == total and len(buf) < round_up(b):
                 self.jobs.append((base + a, buf[a:b]))  # the value's end is not page-padded: exact
             else:
@@ -104,7 +123,7 @@ class Segmented:
         while self._next < len(self._done) and self._done[self._next]:
             a, b = self.ranges[self._next]
             if b > a:
-                self._last = _hash_pool().submit(self.hasher.update, _host(self.view[a:b]))
+                self._last = _hash_pool().submit(_update, self.hasher, [_host(self.view[a:b])])
             self._next += 1
 
     async def finished(self) -> int | None:
@@ -114,6 +133,20 @@ class Segmented:
         if self._last is not None:
             await asyncio.wrap_future(self._last)
         return int(self.hasher.intdigest())
+
+    def release(self) -> None:
+        """Drop the buffers (a result's recycled memory goes back once its caller drops it)."""
+        self.jobs.clear()
+        self.view = None
+
+
+def _update(hasher: Any, box: list[Any]) -> None:
+    """hasher.update(box's buffer), the box emptied first: the worker's
+    reference to its task outlives the result the reader awaits, and must
+    not keep the buffer alive (a freed result's memory is recycled)."""
+    buf = box.pop()
+    hasher.update(buf)
+    del buf
 
 
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None

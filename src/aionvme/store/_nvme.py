@@ -39,7 +39,7 @@ import numpy as np
 from .. import defaults, memory
 from .. import file as _file
 from ._alloc import ALIGN, ExtentAllocator, round_up
-from ._checksum import INLINE_MAX, SEGMENT_MIN, Segmented, digest, gather_all
+from ._checksum import INLINE_MAX, SEGMENT_MIN, Segmented, digest, gather_all, xxhash_module
 from ._errors import CorruptValueError, StoreCorruptError, StoreFullError
 from ._values import is_cuda
 
@@ -187,6 +187,8 @@ class NvmeTier:
         # xxh3_64 of each value this tier wrote (see _checksum.py), by its
         # first piece's (slab, offset); checked on every read of it
         self.checksum = checksum
+        if checksum:
+            xxhash_module()  # a clear ImportError now rather than at the first write
         self.sums: dict[tuple[int, int], int] = {}
         self.capacity_limit = capacity
         self.stripe = stripe
@@ -570,6 +572,7 @@ class NvmeTier:
             got = await sg.finished()  # its segments' callbacks ran before this task resumed
             if got is None:
                 got = await loop.run_in_executor(None, digest, sg.view, len(sg.view))
+            sg.release()
             if got != sg.expected:
                 self._corrupt(sg.key, sg.ext[0], sg.expected, got)
         for view, n, c, key, first in after:
