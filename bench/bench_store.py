@@ -565,6 +565,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"  {100 * r['checksum_cost']:.1f}%"
             )
         if a.only == "get-pread":
+            if a.json:
+                with open(a.json, "w") as f:
+                    json.dump(res, f, indent=1)
             return 0
         res["nvme_get"] = [
             median_run([asyncio.run(nvme_get(base, s, total, drop, fio_first=bool(i % 2))) for i in rep])
