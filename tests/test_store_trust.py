@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+import aionvme as nvme
 from aionvme.exceptions import AionvmeError
 from aionvme.store import (
     CorruptValueError,
@@ -320,7 +321,9 @@ async def test_a_flipped_byte_in_a_slab_is_a_corrupt_value_error_naming_the_key(
 
 
 async def test_checksums_of_phase_placed_and_striped_values(tmp_path):
-    t = torch.randn(300_000)  # 1.2 MB, 64 bytes past a page: placed at that phase
+    raw = nvme.empty(1_200_000 + 4096)  # page-aligned
+    t = torch.from_numpy(raw[64 : 64 + 1_200_000]).view(torch.float32)  # 64 bytes past a page
+    t.copy_(torch.randn(300_000))  # 1.2 MB: placed on NVMe at that phase
     u = torch.randn(3 * MiB // 4)  # striped over two directories
     async with (
         TieredStore(tmp_path / "one", host=0) as s,

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from ._errors import StoreLockedError
 
-__all__ = ["LOCKNAME", "DirLock"]
+__all__ = ["LOCKNAME", "DirLock", "make_dirs", "own_dirs"]
 
 LOCKNAME = "aionvme-store.lock"
 _PIDLEN = 24
@@ -82,3 +82,21 @@ class DirLock:
 
     def __del__(self) -> None:
         self.release()
+
+
+def make_dirs(d: str, mode: int) -> None:
+    """os.makedirs with the store's permissions: a directory it creates is
+    0700 by default (``mode`` with x where it has r); existing ones are left alone."""
+    dmode = mode | (mode & 0o444) >> 2
+    try:
+        os.makedirs(d, dmode, exist_ok=True)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, d) from None
+
+
+def own_dirs(paths: Sequence[str], mode: int) -> DirLock:
+    """The directories of a persistent store, created with its permissions,
+    and owned: StoreLockedError if another live store holds one."""
+    for d in paths:
+        make_dirs(d, mode)
+    return DirLock(paths, mode)

@@ -41,6 +41,7 @@ from .. import file as _file
 from ._alloc import ALIGN, ExtentAllocator, round_up
 from ._checksum import INLINE_MAX, SEGMENT_MIN, Segmented, digest, gather_all, xxhash_module
 from ._errors import CorruptValueError, StoreCorruptError, StoreFullError
+from ._lock import make_dirs
 from ._values import is_cuda
 
 __all__ = ["Extents", "NvmeTier", "Slab", "phase_of", "span"]
@@ -141,16 +142,6 @@ def _phased(raw: Any, boff: int, n: int, off: int, pages: Any) -> list[tuple[Any
         pages[ALIGN : ALIGN + tail] = src[boff + head + body : boff + n]
         items.append((pages[ALIGN:], base + ALIGN + body))
     return items
-
-
-def make_dirs(d: str, mode: int) -> None:
-    """os.makedirs with the store's permissions: a directory it creates is
-    0700 by default (``mode`` with x where it has r); existing ones are left alone."""
-    dmode = mode | (mode & 0o444) >> 2
-    try:
-        os.makedirs(d, dmode, exist_ok=True)
-    except OSError as e:
-        raise OSError(e.errno, e.strerror, d) from None
 
 
 def _fallocate(fd: int, offset: int, length: int, path: str) -> None:

@@ -26,7 +26,7 @@ from ._errors import (
     StoreTimeoutError,
 )
 from ._journal import Journal, load_index
-from ._lock import DirLock
+from ._lock import own_dirs
 from ._memtier import GpuTier, HostTier, MemTier
 from ._nvme import Extents, NvmeTier, phase_of, span
 from ._policy import Admission, EvictionPolicy, make_admission, make_policy
@@ -315,7 +315,7 @@ class TieredStore:
         lock = None
         if self.persist:
             # storetrust: one owner per directory, then the index checked (or recovered)
-            lock = _open_persist(self.paths, mode)
+            lock = own_dirs(self.paths, mode)
             snap = os.path.join(self.paths[0], f"{BASENAME}.index")
             jpath = os.path.join(self.paths[0], f"{BASENAME}.journal")
             try:
@@ -1868,16 +1868,6 @@ class TieredStore:
 
     def __iter__(self) -> Iterator[Hashable]:
         return iter(list(self._index))
-
-
-def _open_persist(paths: list[str], mode: int) -> DirLock:
-    """storetrust: the directories of a persistent store, created with its
-    permissions, and owned: StoreLockedError if another live store has one."""
-    from ._nvme import make_dirs
-
-    for d in paths:
-        make_dirs(d, mode)
-    return DirLock(paths, mode)
 
 
 class _Writers:
