@@ -31,7 +31,7 @@ __all__ = ["Segmented", "digest", "digest_later"]
 INLINE_MAX = 1 << 20  # values hashed on the loop thread at once below this; on a thread from it
 SEGMENT_MIN = 1 << 20  # verified reads from this size are split into segments hashed as they land
 SEGMENT_MAX = 4 << 20
-SEGMENTS = 8  # about this many segments per value (each at least TAIL, at most SEGMENT_MAX)
+SEGMENTS = 4  # about this many segments per value (each at least TAIL, at most SEGMENT_MAX)
 TAIL = 256 << 10  # the last segment: its hash (~10 µs) is what a read waits for after its I/O
 
 
