@@ -118,6 +118,7 @@ class Slab:
             self.file.close()
             raise
         self.alloc = ExtentAllocator(size - size % ALIGN)
+        self.opened_size = size  # what an index rebuilt at open may point into
 
     @property
     def size(self) -> int:
@@ -385,7 +386,7 @@ class NvmeTier:
         overlap another value's."""
         for i, off, _boff, n in ext:
             s = self.slabs[i]
-            if off + n > s.file.size():
+            if off + n > s.opened_size:
                 raise StoreCorruptError(
                     f"the index puts {n} bytes at offset {off}, past the slab's end", s.path, off
                 )

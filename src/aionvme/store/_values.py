@@ -60,6 +60,7 @@ def _count(n: object) -> bool:
     return type(n) is int and 0 <= n < 1 << 62
 
 
+@functools.lru_cache(maxsize=64)
 def _torch_itemsize(name: str) -> int:
     return int(_torch().empty(0, dtype=torch_dtype(name)).element_size())
 
