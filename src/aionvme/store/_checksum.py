@@ -115,23 +115,31 @@ class Segmented:
         self._last: concurrent.futures.Future[None] | None = None
 
     def landed(self, k: int, fut: asyncio.Future[Any]) -> None:
-        """Done callback of segment k: every segment landed in order goes to
-        the hashing thread (one thread: the updates of a value keep their order)."""
+        """Done callback of segment k: every segment landed in order, but the
+        last, goes to the hashing thread (one thread: the updates of a value
+        keep their order). The last one :meth:`finished` hashes on the loop
+        thread: it is small, and the reader is waiting for it anyway."""
         if fut.cancelled() or fut.exception() is not None:
             return
         self._done[k] = True
-        while self._next < len(self._done) and self._done[self._next]:
+        last = len(self._done) - 1
+        while self._next < last and self._done[self._next]:
             a, b = self.ranges[self._next]
             if b > a:
                 self._last = _hash_pool().submit(_update, self.hasher, [_host(self.view[a:b])])
             self._next += 1
 
     async def finished(self) -> int | None:
-        """The digest once every segment has been hashed, else None."""
-        if self._next != len(self._done):
+        """The digest once every segment has landed, else None."""
+        last = len(self._done) - 1
+        if self._next != last or not self._done[last]:
             return None
-        if self._last is not None:
-            await asyncio.wrap_future(self._last)
+        if self._last is not None and not self._last.done():
+            await asyncio.wrap_future(self._last)  # the thread is behind: wait for it
+        a, b = self.ranges[last]
+        if b > a:
+            self.hasher.update(_host(self.view[a:b]))  # the tail, at most TAIL bytes: ~10 µs
+        self._next += 1
         return int(self.hasher.intdigest())
 
     def release(self) -> None:
