@@ -2,22 +2,22 @@
 the NVMe tier writes it and checked when it reads it back.
 
 xxh3_64 (the ``xxhash`` package) hashes about 24 GiB/s on one core here and
-releases the GIL for the whole call, so a large value is hashed on a thread
-while the loop goes on. Writes: the hash runs on a thread *while* the write
-is in flight (the buffer cannot change until the write ends), so a put or
-an eviction waits for nothing more. Reads: a verified value of
-:data:`SEGMENT_MIN` bytes or more is read as a few segments, each its own
-request, all queued at once; as each one lands (in order) the streaming hash
-takes it on a thread of its own (the GIL released, the loop free to reap and
-refill the other requests), so the hash runs under the read of the next
-segments and only the last segment's hash is added to the read. See
-bench/README.md for the cost.
+releases the GIL for the whole call. Writes: a value of 1 MiB or more is
+hashed on a thread *while* its write is in flight (the buffer cannot change
+until the write ends), so a put or an eviction waits for nothing more.
+Reads: a verified value of :data:`SEGMENT_MIN` bytes or more is read as a
+few segments (File.pread each, all queued at once); as each one lands the
+streaming hash takes it, in order, on the loop thread (at most
+:data:`SEGMENT_MAX` bytes: ~0.2 ms, under 1 ms on a contended core), so the
+hash runs under the read of the later segments and only the last segment's
+(at most :data:`TAIL` bytes) is added to the read. Hashing the segments on a
+thread instead cost more here (6-15% against 4-6% of a 4-16 MiB get, 2
+cores): each hand-off is a wake-up on both sides. See bench/README.md.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 from collections.abc import Awaitable, Sequence
 from typing import Any
 
@@ -112,61 +112,27 @@ class Segmented:
             self.ranges.append((max(a - p, 0), min(b - p, n)))
         self._next = 0
         self._done: list[bool] = [False] * len(self.jobs)
-        self._last: concurrent.futures.Future[None] | None = None
 
     def landed(self, k: int, fut: asyncio.Future[Any]) -> None:
-        """Done callback of segment k: every segment landed in order, but the
-        last, goes to the hashing thread (one thread: the updates of a value
-        keep their order). The last one :meth:`finished` hashes on the loop
-        thread: it is small, and the reader is waiting for it anyway."""
+        """Done callback of segment k: hash every segment landed, in order,
+        here on the loop thread (at most SEGMENT_MAX bytes at a time)."""
         if fut.cancelled() or fut.exception() is not None:
             return
         self._done[k] = True
-        last = len(self._done) - 1
-        while self._next < last and self._done[self._next]:
+        while self._next < len(self._done) and self._done[self._next]:
             a, b = self.ranges[self._next]
             if b > a:
-                self._last = _hash_pool().submit(_update, self.hasher, [_host(self.view[a:b])])
+                self.hasher.update(_host(self.view[a:b]))
             self._next += 1
 
-    async def finished(self) -> int | None:
-        """The digest once every segment has landed, else None."""
-        last = len(self._done) - 1
-        if self._next != last or not self._done[last]:
-            return None
-        if self._last is not None and not self._last.done():
-            await asyncio.wrap_future(self._last)  # the thread is behind: wait for it
-        a, b = self.ranges[last]
-        if b > a:
-            self.hasher.update(_host(self.view[a:b]))  # the tail, at most TAIL bytes: ~10 µs
-        self._next += 1
-        return int(self.hasher.intdigest())
+    def finished(self) -> int | None:
+        """The digest once every segment has been hashed, else None."""
+        return int(self.hasher.intdigest()) if self._next == len(self._done) else None
 
     def release(self) -> None:
         """Drop the buffers (a result's recycled memory goes back once its caller drops it)."""
         self.jobs.clear()
         self.view = None
-
-
-def _update(hasher: Any, box: list[Any]) -> None:
-    """hasher.update(box's buffer), the box emptied first: the worker's
-    reference to its task outlives the result the reader awaits, and must
-    not keep the buffer alive (a freed result's memory is recycled)."""
-    buf = box.pop()
-    hasher.update(buf)
-    del buf
-
-
-_POOL: concurrent.futures.ThreadPoolExecutor | None = None
-
-
-def _hash_pool() -> concurrent.futures.ThreadPoolExecutor:
-    """The thread that hashes segments as they land: off the loop thread, so
-    the loop goes on reaping and refilling the read's other requests."""
-    global _POOL
-    if _POOL is None:
-        _POOL = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aionvme-store-hash")
-    return _POOL
 
 
 async def gather_all(futs: Sequence[Awaitable[Any]]) -> None:

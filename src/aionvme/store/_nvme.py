@@ -561,7 +561,7 @@ class NvmeTier:
         del keep
         loop = asyncio.get_running_loop()
         for sg in segs:
-            got = await sg.finished()  # its segments' callbacks ran before this task resumed
+            got = sg.finished()  # its segments' callbacks ran before this task resumed
             if got is None:
                 got = await loop.run_in_executor(None, digest, sg.view, len(sg.view))
             sg.release()
