@@ -10,6 +10,12 @@ Workloads (each figure in GB/s, 1 GB = 1e9 bytes):
               evicts one to NVMe (steady state); the slower of the put rate and
               the rate bytes reached NVMe meanwhile (write-behind may owe some
               at the end); vs fio sequential write bs=S, iodepth 1
+  get-pread   an NVMe-tier get of S bytes into a fresh result (host=0, one at
+              a time, page cache dropped first), with value checksums on and
+              off, against File.pread of the same extents into one
+              preallocated page-aligned buffer; the three sides alternate per
+              round over the same keys, each round in a new order; ratios
+              get/pread (on, off) and the checksum's cost (1 - on/off)
   host-hit    get of values resident in the host tier: a fresh result per call
               and into a preallocated ``out=``; vs memcpy (np.copyto) into a
               fresh and a preallocated array, alternated in the same run, best
@@ -121,6 +127,62 @@ async def nvme_get(d: str, size: int, total: int, drop: bool, fio_first: bool = 
             _quiet()
             ref = fio(slab, "read", size, n * size)
     return {"size": size, "n": n, "store_GBps": store, "fio_GBps": ref, "ratio": store / ref if ref else None}
+
+
+async def get_vs_pread(d: str, size: int, total: int, drop: bool, rounds: int = 3) -> dict[str, Any]:
+    """NVMe-tier gets (checksum on / off) against File.pread of the same bytes.
+
+    One store holds the values (written with checksums); the 'off' side
+    turns its checksum knob off for its reads. The three sides take turns
+    call by call (each value read once per side per round, the side order
+    rotating), so the drift of a shared disk hits them alike; each figure is
+    the median of its per-call times. Reads are O_DIRECT (the page cache is
+    dropped once first): every call goes to the device."""
+    n = max(2, total // size)
+    vals = _values(n, size)
+    times: dict[str, list[float]] = {"on": [], "off": [], "pread": []}
+    async with nvme.TieredStore(d, host=0) as s:
+        await s.put_many({i: v for i, v in enumerate(vals)})
+        ext = [s._index[i].disk for i in range(n)]
+        if any(len(x) != 1 for x in ext):
+            raise SystemExit("get-pread: a value was split (one directory expected)")
+        f = nvme.open(s.stats()["nvme"]["slabs"][0], "r")
+        buf = nvme.empty(size + 4096)
+        if drop:
+            drop_caches()
+        _quiet()
+        try:
+            sides = ["on", "off", "pread"]
+            for r in range(rounds):
+                for i in range(n):
+                    k = (r + i) % 3
+                    for side in sides[k:] + sides[:k]:
+                        s._nvme.checksum = side == "on"
+                        t0 = time.perf_counter()
+                        if side == "pread":
+                            (_, off, _, nb) = ext[i][0]
+                            p = off % 4096
+                            await f.pread(buf[: -(-(p + nb) // 4096) * 4096], off - p)
+                        else:
+                            got = await s.get(i)
+                        times[side].append(time.perf_counter() - t0)
+                        if side != "pread":
+                            if not np.array_equal(got, vals[i]):
+                                raise SystemExit("get-pread: wrong bytes")
+                            del got  # freed: the next fresh result may reuse its mapping
+        finally:
+            f.close()
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    return {
+        "size": size,
+        "calls": n * rounds,
+        "get_GBps": size / med["on"] / GB,
+        "get_nocheck_GBps": size / med["off"] / GB,
+        "pread_GBps": size / med["pread"] / GB,
+        "ratio": med["pread"] / med["on"],
+        "ratio_nocheck": med["pread"] / med["off"],
+        "checksum_cost": 1 - med["off"] / med["on"],
+    }
 
 
 def _fio_write(d: str, size: int, nbytes: int) -> float | None:
@@ -470,6 +532,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--no-deepspeed", action="store_true")
     p.add_argument(
+        "--only",
+        choices=["get-pread"],
+        help="run just this workload (get-pread: see above; --repeat rounds)",
+    )
+    p.add_argument(
         "--ds-build",
         action="store_true",
         help="JIT-build DeepSpeed's async_io op if it is not built (minutes)",
@@ -488,6 +555,21 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {}
     try:
         rep = range(a.repeat)
+        res["get_pread"] = [asyncio.run(get_vs_pread(base, s, total, drop, max(3, a.repeat))) for s in sizes]
+        print(
+            "get-pread  (cold, one at a time):  size  get GB/s (checksum on / off)  pread GB/s  ratios  cost"
+        )
+        for r in res["get_pread"]:
+            print(
+                f"  {r['size'] >> 20:>5} MiB  {r['get_GBps']:.2f} / {r['get_nocheck_GBps']:.2f}"
+                f"  {r['pread_GBps']:.2f}  {r['ratio']:.2f} / {r['ratio_nocheck']:.2f}"
+                f"  {100 * r['checksum_cost']:.1f}%"
+            )
+        if a.only == "get-pread":
+            if a.json:
+                with open(a.json, "w") as f:
+                    json.dump(res, f, indent=1)
+            return 0
         res["nvme_get"] = [
             median_run([asyncio.run(nvme_get(base, s, total, drop, fio_first=bool(i % 2))) for i in rep])
             for s in sizes

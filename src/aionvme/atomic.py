@@ -193,7 +193,9 @@ class AtomicWriter:
         The temporary file, in ``path``'s directory, mode 0600 until the commit.
     """
 
-    def __init__(self, path: PathLike, *, direct: bool | None = None, durable: bool = True) -> None:
+    def __init__(
+        self, path: PathLike, *, direct: bool | None = None, durable: bool = True, mode: int | None = None
+    ) -> None:
         self._target = path
         self.path = os.path.abspath(os.fsdecode(path))
         self.directory = os.path.dirname(self.path)
@@ -205,6 +207,7 @@ class AtomicWriter:
         self._dir_fd = -1
         self._name = ""
         self._tmp_name = ""
+        self._want = mode
 
     def _open(self) -> File:
         # The directory is opened once; every later step is relative to it.
@@ -212,8 +215,11 @@ class AtomicWriter:
         self._dir_fd = dfd
         self.directory = os.path.dirname(self.path)
         try:
-            # keep the target's permissions; a new file gets what open(2) would give it
-            self._mode = stat.S_IMODE(st.st_mode) if st is not None else 0o666 & ~_umask()
+            if self._want is not None:
+                self._mode = self._want  # the caller's permissions, whatever the target had
+            else:
+                # keep the target's permissions; a new file gets what open(2) would give it
+                self._mode = stat.S_IMODE(st.st_mode) if st is not None else 0o666 & ~_umask()
             self._tmp_name = _temp_name(dfd, self._name)
             self.tmp_path = os.path.join(self.directory, self._tmp_name)
             # Private from the first moment: created 0600, given its final mode
@@ -354,7 +360,9 @@ class AtomicWriter:
         self._publish()
 
 
-def atomic_write(path: PathLike, *, direct: bool | None = None, durable: bool = True) -> AtomicWriter:
+def atomic_write(
+    path: PathLike, *, direct: bool | None = None, durable: bool = True, mode: int | None = None
+) -> AtomicWriter:
     """Crash-safe whole-file write::
 
         async with nvme.atomic_write("/nvme/ckpt.bin") as f:
@@ -370,7 +378,8 @@ def atomic_write(path: PathLike, *, direct: bool | None = None, durable: bool = 
     Permissions: the new file gets the target's mode (a new target:
     ``0666 & ~umask``), but only at the commit; until then the temporary file
     is 0600, so other users cannot open it and read a private file's new
-    content. Owner and group are those of the writing process.
+    content. ``mode=`` gives the new file these permissions instead (not
+    masked by the umask). Owner and group are those of the writing process.
 
     Symbolic links: when ``path`` is a symlink, the file it points to is
     replaced (in its own directory) and the link is kept, as editors do; a
@@ -384,4 +393,4 @@ def atomic_write(path: PathLike, *, direct: bool | None = None, durable: bool = 
     write. Any legal file name works: the temporary name is shortened where
     the 18 bytes it adds would pass the directory's name limit.
     """
-    return AtomicWriter(path, direct=direct, durable=durable)
+    return AtomicWriter(path, direct=direct, durable=durable, mode=mode)

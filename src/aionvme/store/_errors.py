@@ -9,12 +9,16 @@ from ..exceptions import AionvmeError
 
 __all__ = [
     "AttachError",
+    "CorruptValueError",
     "JournalError",
+    "OutBufferError",
     "StoreClosedError",
+    "StoreCorruptError",
     "StoreError",
     "StoreFullError",
     "StoreKeyError",
     "StoreKeyTypeError",
+    "StoreLockedError",
     "StoreTimeoutError",
 ]
 
@@ -55,6 +59,53 @@ class StoreKeyTypeError(StoreError, TypeError):
 
 class JournalError(StoreError, ValueError):
     """A persistent store's index files are not ones this version can read."""
+
+
+class StoreCorruptError(JournalError):
+    """A persistent store's index (snapshot or journal) is damaged: ``filename``
+    and ``offset`` say where. Nothing was changed on disk; ``TieredStore(...,
+    recover=True)`` salvages every intact record (see the README)."""
+
+    def __init__(self, message: str, filename: str, offset: int | None = None) -> None:
+        where = filename if offset is None else f"{filename} at byte {offset}"
+        super().__init__(f"{where}: {message}")
+        self.filename = filename
+        self.offset = offset
+
+
+class StoreLockedError(StoreError, BlockingIOError):
+    """Another live store (in this or another process) owns the directory of a
+    persistent store: ``pid`` is its process (None if it could not be read)."""
+
+    def __init__(self, directory: str, pid: int | None) -> None:
+        who = f"process {pid}" if pid is not None else "another process"
+        super().__init__(
+            errno.EWOULDBLOCK,
+            f"the persistent store in {directory} is open in {who}"
+            + (" (this one)" if pid == os.getpid() else "")
+            + ": one store owns a directory at a time",
+            directory,
+        )
+        self.pid = pid
+
+
+class CorruptValueError(StoreError, OSError):
+    """A value read back from the NVMe tier does not match the checksum taken
+    when it was written (``errno`` EIO): no bytes of it are returned."""
+
+    def __init__(self, key: object, path: str, offset: int, expected: int, got: int) -> None:
+        super().__init__(
+            errno.EIO,
+            f"{os.strerror(errno.EIO)}: the value of {key!r} read back from NVMe does not match "
+            f"its checksum (xxh3_64 {got:016x}, written {expected:016x}; slab offset {offset})",
+            path,
+        )
+        self.key = key
+        self.offset = offset
+
+
+class OutBufferError(StoreError, ValueError):
+    """``out=`` does not fit the value: another byte count, dtype or shape."""
 
 
 class AttachError(StoreError, ValueError):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import os
 import secrets
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -38,7 +39,10 @@ import numpy as np
 from .. import defaults, memory
 from .. import file as _file
 from ._alloc import ALIGN, ExtentAllocator, round_up
-from ._errors import StoreFullError
+from ._checksum import INLINE_MAX, SEGMENT_MIN, Segmented, digest, gather_all, xxhash_module
+from ._errors import CorruptValueError, StoreCorruptError, StoreFullError
+from ._lock import make_dirs
+from ._values import is_cuda
 
 __all__ = ["Extents", "NvmeTier", "Slab", "phase_of", "span"]
 
@@ -95,11 +99,16 @@ def phase_of(ext: Extents | None) -> int:
 class Slab:
     """One slab file: an aionvme File (O_DIRECT) and the allocator of its space."""
 
-    def __init__(self, path: str, fixed: int | None, create: bool) -> None:
+    def __init__(self, path: str, fixed: int | None, create: bool, mode: int = 0o600) -> None:
         self.path = path
         self.fixed = fixed  # preallocated size that never grows, or None (grows on demand)
-        mode = "x+" if create else "r+"
-        self.file = _file.File(path, mode)
+        if create:  # with the store's permissions (0600 by default), not the umask's
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode))
+                os.chmod(path, mode)
+            except OSError as e:
+                raise OSError(e.errno, e.strerror, path) from None
+        self.file = _file.File(path, "r+")
         try:
             size = self.file.size()
             if fixed is not None and size < fixed:
@@ -109,6 +118,7 @@ class Slab:
             self.file.close()
             raise
         self.alloc = ExtentAllocator(size - size % ALIGN)
+        self.opened_size = size  # what an index rebuilt at open may point into
 
     @property
     def size(self) -> int:
@@ -162,8 +172,16 @@ class NvmeTier:
         persist: bool,
         stripe: int = 4 << 20,
         basename: str = "aionvme-store",
+        mode: int = 0o600,
+        checksum: bool = True,
     ) -> None:
         self.dirs = [os.path.abspath(d) for d in dirs]
+        # xxh3_64 of each value this tier wrote (see _checksum.py), by its
+        # first piece's (slab, offset); checked on every read of it
+        self.checksum = checksum
+        if checksum:
+            xxhash_module()  # a clear ImportError now rather than at the first write
+        self.sums: dict[tuple[int, int], int] = {}
         self.capacity_limit = capacity
         self.stripe = stripe
         self.persist = persist
@@ -174,9 +192,9 @@ class NvmeTier:
         tag = "" if persist else f".{os.getpid()}.{secrets.token_hex(4)}"
         try:
             for d in self.dirs:
-                os.makedirs(d, exist_ok=True)
+                make_dirs(d, mode)
                 path = os.path.join(d, f"{basename}{tag}.slab")
-                self.slabs.append(Slab(path, per, create=not (persist and os.path.exists(path))))
+                self.slabs.append(Slab(path, per, create=not (persist and os.path.exists(path)), mode=mode))
         except BaseException:
             self.close(remove=not persist)
             raise
@@ -343,6 +361,8 @@ class NvmeTier:
             s.alloc.grow(s.size + step)
 
     def free(self, ext: Extents) -> None:
+        if ext:
+            self.sums.pop(ext[0][:2], None)
         for i, off, _boff, n in ext:
             if i >= 0:  # a source's bytes are the file's own
                 self.slabs[i].alloc.free(*span(off, n))
@@ -360,14 +380,37 @@ class NvmeTier:
     def _file_of(self, i: int) -> _file.File:
         return self.slabs[i].file if i >= 0 else self.sources[-i - 1]
 
-    def reserve(self, ext: Extents) -> None:
-        """Mark extents used (rebuilding from a journal)."""
+    def reserve(self, ext: Extents, checksum: int | None = None) -> None:
+        """Mark extents used (rebuilding from a journal), with the value's
+        checksum; StoreCorruptError where they are past a slab's end or
+        overlap another value's."""
         for i, off, _boff, n in ext:
             s = self.slabs[i]
+            if off + n > s.opened_size:
+                raise StoreCorruptError(
+                    f"the index puts {n} bytes at offset {off}, past the slab's end", s.path, off
+                )
             off, n = span(off, n)
             if off + round_up(max(n, 1)) > s.size:
                 s.alloc.grow(off + round_up(max(n, 1)))
-            s.alloc.reserve(off, n)
+            try:
+                s.alloc.reserve(off, n)
+            except ValueError:
+                raise StoreCorruptError(
+                    f"the index gives the {n} bytes at offset {off} to two values", s.path, off
+                ) from None
+        if ext and checksum is not None:
+            self.sums[ext[0][:2]] = checksum
+
+    def checksum_of(self, ext: Extents | None) -> int | None:
+        """The checksum of the value at these extents (None: not taken)."""
+        return self.sums.get(ext[0][:2]) if ext else None
+
+    def moved(self, old: Extents, new: Extents) -> None:
+        """A value's pieces moved (compaction): its checksum follows it."""
+        c = self.sums.pop(old[0][:2], None)
+        if c is not None:
+            self.sums[new[0][:2]] = c
 
     # -- transfers ---------------------------------------------------------------------
 
@@ -434,21 +477,107 @@ class NvmeTier:
         untouched until it ends. A result that is never awaited may be
         closed: the writes go on to their end regardless."""
         futs, per = self._submit(jobs, True)
-        return self._written(futs, per, sum(n for ext, _ in jobs for *_, n in ext))
+        sums = [(ext, buf) for ext, buf in jobs if ext and ext[0][0] >= 0] if self.checksum else []
+        return self._written(futs, per, sum(n for ext, _ in jobs for *_, n in ext), sums)
 
-    async def _written(self, futs: list[Awaitable[Any]], keep: Any, nbytes: int) -> None:
-        await _all_of(futs, keep)
+    async def _written(
+        self,
+        futs: list[Awaitable[Any]],
+        keep: Any,
+        nbytes: int,
+        sums: list[tuple[Extents, Any]] | None = None,
+    ) -> None:
+        if not sums:
+            await _all_of(futs, keep)
+        else:
+            # each value's checksum, taken while its write is in flight (its
+            # buffer cannot change until the write ends): small ones here,
+            # large ones on threads
+            loop = asyncio.get_running_loop()
+            got: list[tuple[tuple[int, int], Any]] = []
+            threads = []
+            for ext, buf in sums:
+                n = sum(x[3] for x in ext)
+                if n < INLINE_MAX and not is_cuda(buf):
+                    got.append((ext[0][:2], digest(buf, n)))
+                else:
+                    f = loop.run_in_executor(None, digest, buf, n)
+                    threads.append(f)
+                    got.append((ext[0][:2], f))
+            await gather_all([*futs, *threads])
+            for k, d in got:
+                self.sums[k] = d if isinstance(d, int) else d.result()
         self.stats["bytes_in"] += nbytes
 
-    async def read(self, jobs: Sequence[tuple[Any, ...]]) -> None:
+    async def read(self, jobs: Sequence[tuple[Any, ...]], keys: Sequence[Any] | None = None) -> None:
         """Fill each flat uint8 buffer from its extents: one batched request per slab.
 
         A job ``(extents, span, True)`` of a one-piece value gives instead the
         page-aligned memory of the whole pages its extent spans (the value's
         bytes then start ``phase_of(extents)`` bytes into it): read whole, no
-        bounce for a phase-placed value's partial end pages."""
-        await self._run(jobs, False)
+        bounce for a phase-placed value's partial end pages.
+
+        Values whose checksum this tier took are checked (``keys``, one per
+        job, name them): CorruptValueError if the bytes read differ."""
+        if self.checksum and self.sums:
+            await self._read_checked(jobs, keys)
+        else:
+            await self._run(jobs, False)
         self.stats["bytes_out"] += sum(n for ext, *_ in jobs for *_, n in ext)
+
+    async def _read_checked(self, jobs: Sequence[tuple[Any, ...]], keys: Sequence[Any] | None) -> None:
+        plain: list[tuple[Any, ...]] = []  # read in one batch as usual, checked after
+        after: list[tuple[Any, int, int, Any, Extent]] = []  # (value bytes, n, checksum, key, first piece)
+        segs: list[Segmented] = []  # large values: hashed segment by segment as they land
+        for j, job in enumerate(jobs):
+            ext = job[0]
+            c = self.sums.get(ext[0][:2]) if ext and ext[0][0] >= 0 else None
+            if c is None:
+                plain.append(job)
+                continue
+            n = sum(x[3] for x in ext)
+            key = keys[j] if keys is not None else None
+            first = ext[0]
+            whole = len(job) > 2 and bool(job[2])
+            if (
+                n >= SEGMENT_MIN
+                and len(ext) == 1
+                and (whole or first[1] % ALIGN == 0)
+                and not is_cuda(job[1])
+            ):
+                segs.append(Segmented(key, c, ext, job[1], whole))
+                continue
+            plain.append(job)
+            view = job[1][first[1] % ALIGN :] if whole else job[1]
+            after.append((view, n, c, key, first))
+        futs, keep = self._submit(plain, False) if plain else ([], None)
+        for sg in segs:
+            file = self.slabs[sg.slab].file
+            for k, (off, buf) in enumerate(sg.jobs):
+                f = file.pread(buf, off)
+                f.add_done_callback(functools.partial(sg.landed, k))
+                futs.append(f)
+        await gather_all(futs)
+        del keep
+        loop = asyncio.get_running_loop()
+        for sg in segs:
+            got = sg.finished()  # its segments' callbacks ran before this task resumed
+            if got is None:
+                got = await loop.run_in_executor(None, digest, sg.view, len(sg.view))
+            sg.release()
+            if got != sg.expected:
+                self._corrupt(sg.key, sg.ext[0], sg.expected, got)
+        for view, n, c, key, first in after:
+            if n < INLINE_MAX and not is_cuda(view):
+                got = digest(view, n)
+            else:
+                got = await loop.run_in_executor(None, digest, view, n)
+            if got != c:
+                self._corrupt(key, first, c, got)
+
+    def _corrupt(self, key: Any, first: Extent, expected: int, got: int) -> None:
+        i, off, _, _ = first
+        raise CorruptValueError(key, self.slabs[i].path, off, expected, got)
 
     async def fsync(self) -> None:
         await asyncio.gather(*(s.file.fdatasync() for s in self.slabs))

@@ -23,16 +23,17 @@ from ._errors import (
     StoreClosedError,
     StoreFullError,
     StoreKeyError,
-    StoreKeyTypeError,
     StoreTimeoutError,
 )
 from ._journal import Journal, load_index
+from ._lock import own_dirs
 from ._memtier import GpuTier, HostTier, MemTier
 from ._nvme import Extents, NvmeTier, phase_of, span
 from ._policy import Admission, EvictionPolicy, make_admission, make_policy
 from ._values import (
     Meta,
     address,
+    check_keys,
     check_out,
     describe,
     flat_bytes,
@@ -198,6 +199,16 @@ class TieredStore:
         tier full of held values before raising :class:`StoreTimeoutError`.
     stripe : int or str
         Values at least this large are split over all the directories.
+    checksum : bool
+        True (default): each value's xxh3_64 is taken when it is written to
+        NVMe and checked when it is read back (:class:`CorruptValueError`).
+    recover : bool
+        persist=True: open an index whose journal is damaged (which is
+        otherwise a :class:`StoreCorruptError`), keeping every intact record;
+        ``store.recovered`` then says what was dropped.
+    mode : int
+        Permissions of the store's files (0o600, default) and of the
+        directories it creates (the same, with x where r: 0o700).
 
     Notes
     -----
@@ -246,6 +257,9 @@ class TieredStore:
         admit: str | Admission | None = None,
         timeout: float | None = None,
         stripe: int | str = "4M",
+        checksum: bool = True,
+        recover: bool = False,
+        mode: int = 0o600,
     ) -> None:
         paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
         if not paths:
@@ -296,37 +310,64 @@ class TieredStore:
                 cuda = bool(torch.cuda.is_available())
         self._host = HostTier(host_b, factory, pinned=cuda and host_b > 0)
         self._journal: Journal | None = None
+        self.recovered: dict[str, Any] | None = None  # what recover=True dropped (see the README)
         entries: dict[str, list[Any]] = {}
+        lock = None
         if self.persist:
-            os.makedirs(self.paths[0], exist_ok=True)
+            # storetrust: one owner per directory, then the index checked (or recovered)
+            lock = own_dirs(self.paths, mode)
             snap = os.path.join(self.paths[0], f"{BASENAME}.index")
             jpath = os.path.join(self.paths[0], f"{BASENAME}.journal")
-            gen, slabs, entries, valid = load_index(snap, jpath)
+            try:
+                idx = load_index(snap, jpath, recover)
+            except BaseException:
+                lock.release()
+                raise
+            gen, slabs, entries, valid, self.recovered = (
+                idx.generation,
+                idx.slabs,
+                idx.entries,
+                idx.valid,
+                idx.recovered,
+            )
             if slabs is not None and [os.path.dirname(s) for s in slabs] != self.paths:
                 from ._errors import JournalError
 
+                lock.release()
                 raise JournalError(
                     f"the store in {self.paths[0]} was made with directories "
                     f"{[os.path.dirname(s) for s in slabs]}, not {self.paths}"
                 )
-        self._nvme = NvmeTier(
-            self.paths, _sizes(nvme), persist=self.persist, stripe=defaults.parse_size(stripe)
-        )
+        try:  # storetrust: mode= and checksum= for the NVMe tier; the lock released on failure
+            self._nvme = NvmeTier(
+                self.paths,
+                _sizes(nvme),
+                persist=self.persist,
+                stripe=defaults.parse_size(stripe),
+                mode=mode,
+                checksum=checksum,
+            )
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
         self._nvme.compactor = self._compact
         if self.persist:
             try:
-                for k, (m, x) in entries.items():
+                for k, (m, x, c) in entries.items():
                     e = Entry(k, Meta.from_json(m))
                     ext = [tuple(int(v) for v in piece) for piece in x]
                     if ext:
-                        self._nvme.reserve(ext)  # type: ignore[arg-type]
+                        self._nvme.reserve(ext, c)  # type: ignore[arg-type]  # storetrust: + checksum
                         e.disk = ext  # type: ignore[assignment]
                     self._index[k] = e
-                self._journal = Journal(snap, jpath, gen, valid)
-                if slabs is None:
+                self._journal = Journal(snap, jpath, gen, valid, lock=lock, mode=mode)
+                if slabs is None or idx.rewrite:  # storetrust: a format-1 store, a recovery
                     self._journal.write_snapshot(self._slab_paths(), self._index_json())
             except BaseException:
                 self._nvme.close(remove=False)
+                if lock is not None:
+                    lock.release()
                 raise
 
     # -- plumbing ---------------------------------------------------------------------
@@ -335,7 +376,10 @@ class TieredStore:
         return [s.path for s in self._nvme.slabs]
 
     def _index_json(self) -> dict[str, list[Any]]:
-        return {str(k): [e.meta.to_json(), e.disk or []] for k, e in self._index.items()}
+        nv = self._nvme  # storetrust: each entry's checksum
+        return {
+            str(k): [e.meta.to_json(), e.disk or [], nv.checksum_of(e.disk)] for k, e in self._index.items()
+        }
 
     def _enter(self) -> asyncio.AbstractEventLoop:
         if self._closed:
@@ -707,7 +751,7 @@ class TieredStore:
                 try:
                     p = off % ALIGN
                     whole = self._host.arena[off - p : off - p + round_up(p + e.nbytes)]
-                    await self._nvme.read([_read_job(e.disk, dst, whole, e.nbytes)])
+                    await self._nvme.read([_read_job(e.disk, dst, whole, e.nbytes)], [e.key])
                 finally:
                     self._unref_disk(e)
                 self._nvme.stats["hits"] += 1
@@ -742,7 +786,7 @@ class TieredStore:
             elif e.disk is not None:
                 e.disk_refs += 1
                 try:
-                    await self._nvme.read([(e.disk, t)])
+                    await self._nvme.read([(e.disk, t)], [e.key])
                 finally:
                     self._unref_disk(e)
                 self._nvme.stats["hits"] += 1
@@ -797,10 +841,7 @@ class TieredStore:
         if to not in (None, "host", "nvme"):
             raise ValueError(f"to must be None, 'host' or 'nvme', got {to!r}")
         self._enter()
-        if self.persist:
-            for k in items:
-                if not isinstance(k, str):
-                    raise StoreKeyTypeError(f"a persistent store takes str keys, got {type(k).__name__}")
+        check_keys(items, self.persist)  # storetrust: StoreKeyTypeError
         metas = {k: describe(v) for k, v in items.items()}
         deadline = self._deadline(timeout)
         reused: list[Entry] = []  # previous entries whose extents this put overwrites
@@ -1139,8 +1180,12 @@ class TieredStore:
     async def _journal_put(self, entries: list[Entry]) -> None:
         if self._journal is None:
             return
+        sums = self._nvme.checksum_of  # storetrust: + each value's checksum
         await self._journal.append(
-            [{"op": "put", "k": e.key, "m": e.meta.to_json(), "x": e.disk or []} for e in entries]
+            [
+                {"op": "put", "k": e.key, "m": e.meta.to_json(), "x": e.disk or [], "c": sums(e.disk)}
+                for e in entries
+            ]
         )
 
     # -- get ------------------------------------------------------------------------------
@@ -1255,7 +1300,7 @@ class TieredStore:
             if e.disk is not None:
                 e.disk_refs += 1
                 try:
-                    await self._nvme.read([_read_job(e.disk, raw, span, meta.nbytes)])
+                    await self._nvme.read([_read_job(e.disk, raw, span, meta.nbytes)], [e.key])
                 finally:
                     self._unref_disk(e)
                 self._nvme.stats["hits"] += 1
@@ -1399,7 +1444,7 @@ class TieredStore:
             e.disk_refs += 1
         try:
             if cold:
-                await self._nvme.read(jobs)
+                await self._nvme.read(jobs, [e.key for _, e, _, _ in cold])
         finally:
             for _, e, _, _ in cold:
                 self._unref_disk(e)
@@ -1704,10 +1749,14 @@ class TieredStore:
             ext = [(si, new + phase, x[2], x[3]) if x is piece else x for x in old_disk]
             if self._journal is not None:
                 try:
-                    await self._journal.append([{"op": "put", "k": e.key, "m": e.meta.to_json(), "x": ext}])
+                    c = self._nvme.checksum_of(old_disk)  # storetrust: the checksum follows the value
+                    await self._journal.append(
+                        [{"op": "put", "k": e.key, "m": e.meta.to_json(), "x": ext, "c": c}]
+                    )
                 except BaseException:
                     slab.alloc.free(new, sp)
                     raise
+            self._nvme.moved(old_disk, ext)  # storetrust
             e.disk = ext
             slab.alloc.free(base, sp)
             self._nvme.stats["bytes_in"] += n
@@ -1762,8 +1811,8 @@ class TieredStore:
             await asyncio.gather(*tasks, return_exceptions=True)
         try:
             if self._journal is not None and self._journal.broken is None:
-                await asyncio.get_running_loop().run_in_executor(
-                    None, self._journal.write_snapshot, self._slab_paths(), self._index_json()
+                await asyncio.get_running_loop().run_in_executor(  # storetrust: a full disk warns
+                    None, self._journal.final_snapshot, self._slab_paths(), self._index_json()
                 )
         finally:
             if self._journal is not None:
@@ -1783,7 +1832,7 @@ class TieredStore:
         self._closed = True
         try:
             if self._journal is not None and self._journal.broken is None:
-                self._journal.write_snapshot(self._slab_paths(), self._index_json())
+                self._journal.final_snapshot(self._slab_paths(), self._index_json())  # storetrust
         finally:
             if self._journal is not None:
                 self._journal.close()

@@ -3,6 +3,8 @@ and how its bytes are seen: flat uint8 views, fresh results, views of store memo
 
 from __future__ import annotations
 
+import ast
+import functools
 import math
 import sys
 from dataclasses import dataclass
@@ -13,6 +15,7 @@ import numpy as np
 from .._engine import AlignedBuffer
 from ..exceptions import BufferTypeError, DeviceError, NonContiguousBufferError
 from ._alloc import round_up
+from ._errors import OutBufferError, StoreKeyTypeError
 
 PAGE = 4096
 
@@ -33,8 +36,50 @@ class Meta:
         return [self.kind, self.dtype, list(self.shape), self.nbytes]
 
     @classmethod
-    def from_json(cls, v: list[Any]) -> Meta:
-        return cls(str(v[0]), str(v[1]), tuple(int(d) for d in v[2]), int(v[3]))
+    def from_json(cls, v: Any) -> Meta:
+        """The Meta of an index record, checked: ValueError for any other shape
+        (wrong types, a dtype no library knows, a byte count that does not
+        match the shape)."""
+        if not isinstance(v, list) or len(v) != 4:
+            raise ValueError(f"a value's meta is [kind, dtype, shape, nbytes], not {v!r:.80}")
+        kind, dtype, shape, nbytes = v
+        if kind not in ("numpy", "torch") or not isinstance(dtype, str) or not isinstance(shape, list):
+            raise ValueError(f"bad meta {v!r:.80}")
+        if not all(_count(d) for d in shape) or not _count(nbytes) or len(shape) > 64:
+            raise ValueError(f"bad shape or byte count in {v!r:.80}")
+        try:
+            item = np_dtype(dtype).itemsize if kind == "numpy" else _torch_itemsize(dtype)
+        except (TypeError, ValueError, SyntaxError, BufferTypeError, MemoryError, RecursionError) as e:
+            raise ValueError(f"unknown dtype {dtype!r:.80}: {e}") from None
+        if math.prod(shape) * item != nbytes:
+            raise ValueError(f"{nbytes} bytes is not shape {shape} of {dtype!r:.80}")
+        return cls(kind, dtype, tuple(shape), nbytes)
+
+
+def _count(n: object) -> bool:
+    return type(n) is int and 0 <= n < 1 << 62
+
+
+@functools.lru_cache(maxsize=64)
+def _torch_itemsize(name: str) -> int:
+    return int(_torch().empty(0, dtype=torch_dtype(name)).element_size())
+
+
+def dtype_name(dt: np.dtype[Any]) -> str:
+    """How Meta names a numpy dtype: ``dtype.str`` ('<f4'), or for a
+    structured dtype (whose ``str`` is a bare '|V12') ``'npy:'`` and its
+    .npy-format description (field names, types, offsets)."""
+    if dt.fields is None:
+        return dt.str
+    return "npy:" + repr(np.lib.format.dtype_to_descr(dt))
+
+
+@functools.lru_cache(maxsize=512)
+def np_dtype(name: str) -> np.dtype[Any]:
+    """The numpy dtype of a Meta's dtype name (see :func:`dtype_name`)."""
+    if name.startswith("npy:"):
+        return np.lib.format.descr_to_dtype(ast.literal_eval(name[4:]))
+    return np.dtype(name)
 
 
 def _torch() -> Any:
@@ -56,7 +101,7 @@ def describe(value: Any) -> Meta:
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject:
             raise BufferTypeError("object arrays cannot be stored (no fixed bytes)")
-        return Meta("numpy", value.dtype.str, tuple(value.shape), int(value.nbytes))
+        return Meta("numpy", dtype_name(value.dtype), tuple(value.shape), int(value.nbytes))
     if _is_tensor(value):
         t = value
         if t.is_sparse or t.layout != _torch().strided:
@@ -91,7 +136,7 @@ def view_as(raw: Any, meta: Meta) -> Any:
     numpy array or torch tensor): no copy."""
     if meta.kind == "numpy":
         a = raw if isinstance(raw, np.ndarray) else raw.numpy()
-        return a[: meta.nbytes].view(np.dtype(meta.dtype)).reshape(meta.shape)
+        return a[: meta.nbytes].view(np_dtype(meta.dtype)).reshape(meta.shape)
     torch = _torch()
     t = raw if _is_tensor(raw) else torch.from_numpy(raw)
     t = t[: meta.nbytes]
@@ -173,15 +218,40 @@ def address(buf: Any) -> int:
     return 0
 
 
+_U8 = np.dtype(np.uint8)
+
+
+def _same_dtype(name: str, meta: Meta) -> bool:
+    """Whether an ``out`` of dtype ``name`` (numpy's or torch's name for it)
+    holds the value's dtype."""
+    if meta.kind == "numpy":
+        return name == np_dtype(meta.dtype).name and not np_dtype(meta.dtype).fields
+    return name == meta.dtype
+
+
+def _refuse(out_dtype: object, meta: Meta) -> OutBufferError:
+    return OutBufferError(
+        f"out is {out_dtype}, the value {meta.dtype} {meta.shape}: give an out of the value's "
+        "dtype, or uint8 for its raw bytes"
+    )
+
+
 def check_out(out: Any, meta: Meta) -> Any:
-    """The flat uint8 view of a caller's ``out`` buffer, after checking it fits."""
+    """The flat uint8 view of a caller's ``out`` buffer, after checking it
+    fits: the same number of bytes (any shape), and the value's dtype or
+    uint8 (a copy of the raw bytes); OutBufferError (a ValueError) if not."""
     if isinstance(out, np.ndarray):
         # the hot path of a host-tier hit: only what a copy needs (describe()
         # builds a Meta, ~1.5 µs, of which only nbytes matters here)
-        if out.dtype.hasobject:
+        dt = out.dtype
+        if dt.hasobject:
             raise BufferTypeError("object arrays cannot be stored (no fixed bytes)")
         if out.nbytes != meta.nbytes:
-            raise ValueError(f"out has {out.nbytes} bytes, the value {meta.nbytes}")
+            raise OutBufferError(f"out has {out.nbytes} bytes, the value {meta.nbytes}")
+        if dt != _U8 and not (
+            dt == np_dtype(meta.dtype) if meta.kind == "numpy" else _same_dtype(dt.name, meta)
+        ):
+            raise _refuse(dt, meta)
         flags = out.flags
         if not flags.c_contiguous:
             raise NonContiguousBufferError("out must be C-contiguous")
@@ -191,10 +261,21 @@ def check_out(out: Any, meta: Meta) -> Any:
         return np.frombuffer(out, np.uint8) if out.nbytes else out.reshape(-1).view(np.uint8)
     m = describe(out)
     if m.nbytes != meta.nbytes:
-        raise ValueError(f"out has {m.nbytes} bytes, the value {meta.nbytes}")
+        raise OutBufferError(f"out has {m.nbytes} bytes, the value {meta.nbytes}")
+    if m.dtype != "uint8" and not _same_dtype(m.dtype, meta):
+        raise _refuse(out.dtype, meta)
     if not out.is_contiguous():
         raise NonContiguousBufferError("out must be contiguous")
     return out.reshape(-1).view(_torch().uint8)
+
+
+def check_keys(keys: Any, persist: bool) -> None:
+    """Keys: any hashable in a scratch store; str in a persistent one (its
+    index is JSON, whose keys are strings): StoreKeyTypeError if not."""
+    if persist:
+        for k in keys:
+            if not isinstance(k, str):
+                raise StoreKeyTypeError(f"a persistent store takes str keys, got {type(k).__name__}")
 
 
 def numel(shape: tuple[int, ...]) -> int:
