@@ -84,10 +84,10 @@ def test_shutdown_during_a_save_leaves_a_loadable_checkpoint(
     elif where == "before-commit":
         real_replace = os.replace
 
-        def replace(src: Any, dst: Any) -> None:
+        def replace(src: Any, dst: Any, **dir_fds: Any) -> None:
             if str(dst).endswith(".metadata"):
                 fs.shutdown(SHUTDOWN_NOLOGFLUSH)
-            real_replace(src, dst)
+            real_replace(src, dst, **dir_fds)
 
         monkeypatch.setattr(os, "replace", replace)
     else:
