@@ -93,8 +93,8 @@ async def test_write_behind_keeps_several_batches_in_flight_and_every_put_evicts
         most = 0
         for i, v in enumerate(vals):
             await s.put(i, v)
-            most = max(most, len(s._cleaners))
-            assert s._clean_bytes <= 4 * n
+            most = max(most, len(s._cleaner.batches))
+            assert s._cleaner.in_flight <= 4 * n
         assert most >= 2  # batches overlap (the device always has the next one queued)
         while s._tasks:
             await asyncio.gather(*list(s._tasks))
@@ -246,7 +246,7 @@ async def test_write_behind_of_a_two_value_tier_keeps_two_writes_in_flight(tmp_p
         most = 0
         for i, v in enumerate(vals):
             await s.put(i, v)
-            most = max(most, len(s._cleaners))
+            most = max(most, len(s._cleaner.batches))
         assert most == 2  # the value being written and the next one: the device is never idle
         while s._tasks:
             await asyncio.gather(*list(s._tasks))

@@ -150,7 +150,7 @@ async def _check(store: TieredStore, model: dict) -> None:
     st_ = store.stats()
     assert st_["host"]["used"] <= st_["host"]["capacity"]
     for e in store._index.values():
-        assert e.refs == 0 and e.disk_refs == 0 and e.claims == 0 and e.gpu_claims == 0 and not e.moving
+        assert e.idle(), e  # no reference, claim, load or write-out left
 
 
 async def _program(dirs, prog, policy, admit, nvme_cap, persist) -> None:
