@@ -14,7 +14,7 @@ import os
 import numpy as np
 import pytest
 
-from aionvme.store import StoreError, TieredStore
+from aionvme.store import StoreError, StoreTimeoutError, TieredStore
 
 from .faultkit import fiemap
 
