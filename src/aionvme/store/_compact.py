@@ -56,8 +56,9 @@ class Compactor:
                 for off, e in pieces:
                     if slab.alloc.free_bytes == slab.alloc.tail_free():
                         break  # no hole left below the end
-                    if e.dead or e.key in self.queues or e.busy():
-                        continue  # busy: a put, delete, eviction or read of it is in flight
+                    c = e.copies[NVME]
+                    if e.dead or e.key in self.queues or c.refs or c.loading is not None:
+                        continue  # busy: a put, delete, write-out or read of it is in flight
                     moved += await self._move_piece(e, si, off)
             if moved:
                 nvme.stats["compactions"] += 1

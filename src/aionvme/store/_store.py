@@ -618,22 +618,9 @@ class TieredStore:
             await asyncio.gather(*tasks, return_exceptions=True)
         self._cleaner.stopped = True
         try:
-            if self._journal is not None and self._journal.broken is None:
-                await asyncio.get_running_loop().run_in_executor(
-                    None, self._journal.write_snapshot, self._slab_paths(), self._index_json()
-                )
+            await asyncio.get_running_loop().run_in_executor(None, self._snapshot)
         finally:
-            if self._journal is not None:
-                self._journal.close()
-            self._nvme.close(remove=not self.persist)
-            self._stop_copy_pool()
-
-    def _stop_copy_pool(self) -> None:
-        self._mover.stop_copies()
-
-    @property
-    def _copy_pool(self) -> Any:
-        return self._mover.copy_pool
+            self._close_files()
 
     def close_sync(self) -> None:
         """close() for code without a running loop (no prefetch may be in flight)."""
@@ -642,13 +629,21 @@ class TieredStore:
         self._closed = True
         self._cleaner.stopped = True
         try:
-            if self._journal is not None and self._journal.broken is None:
-                self._journal.write_snapshot(self._slab_paths(), self._index_json())
+            self._snapshot()
         finally:
-            if self._journal is not None:
-                self._journal.close()
-            self._nvme.close(remove=not self.persist)
-            self._stop_copy_pool()
+            self._close_files()
+
+    def _snapshot(self) -> None:
+        """persist=True: write the index snapshot (the journal restarts from it)."""
+        if self._journal is not None and self._journal.broken is None:
+            self._journal.write_snapshot(self._slab_paths(), self._index_json())
+
+    def _close_files(self) -> None:
+        """Close the journal and the slab files (a scratch store removes its slabs)."""
+        if self._journal is not None:
+            self._journal.close()
+        self._nvme.close(remove=not self.persist)
+        self._mover.stop_copies()
 
     @property
     def closed(self) -> bool:
