@@ -35,7 +35,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aionvme.store import StoreError, StoreKeyError, StoreTimeoutError, TieredStore
-from test_store_property import HOST, KEYS, _guarded, as_bytes, make_value, ops, sig
+from test_store_property import HOST, KEYS, _guarded, as_bytes, make_value, ops, run_op, sig
 
 from .faultkit import LoopFS, fiemap
 
@@ -51,6 +51,14 @@ def _typed(err: BaseException) -> bool:
     if isinstance(err, StoreError):
         return True
     return isinstance(err, OSError) and err.errno in (errno.EIO, errno.ENOSPC)
+
+
+def _idle(e) -> bool:  # type: ignore[no-untyped-def]
+    """No reference, claim, load or write-out on any copy of entry e."""
+    if hasattr(e, "idle"):
+        return bool(e.idle())
+    # the entry of the store before its mover (twin fields): the test still says what leaked
+    return not (e.refs or e.gpu_refs or e.disk_refs or e.claims or e.gpu_claims or e.moving)
 
 
 class Fault:
@@ -104,30 +112,7 @@ async def _round(store: TieredStore, model: dict[str, set], round_ops, faulty: b
                 if faulty:
                     seen[k].add(None)  # a failed overwrite in place removes the key
 
-    async def run(op, key, spec):
-        if op == "put":
-            await store.put(key, make_value(*spec))
-        elif op == "put_nvme":
-            await store.put(key, make_value(*spec), to="nvme")
-        elif op == "put_many":
-            await store.put_many({k: make_value(*spec) for k in key})
-        elif op == "delete":
-            await store.delete(key)
-        elif op == "get":
-            return [await store.get(key)]
-        elif op == "get_many":
-            return await store.get_many(key)
-        elif op == "hold":
-            async with store.hold(key) as t:
-                await asyncio.sleep(0)
-                return [t.clone() if hasattr(t, "clone") else t.copy()]
-        elif op == "evict":
-            await store.evict(key)
-        elif op == "prefetch":
-            await store.prefetch([key])
-        return None
-
-    results = await asyncio.gather(*(run(*o) for o in round_ops), return_exceptions=True)
+    results = await asyncio.gather(*(run_op(store, *o) for o in round_ops), return_exceptions=True)
     for (op, key, _spec), res in zip(round_ops, results):
         ks = key if isinstance(key, list) else [key]
         if isinstance(res, StoreKeyError):
@@ -165,7 +150,7 @@ async def _settled(store: TieredStore, model: dict[str, set]) -> None:
         assert (kind, as_bytes(v)) in model[k], f"{k}: a value nobody put"
         model[k] = {(kind, as_bytes(v))}
     for e in store._index.values():
-        assert e.idle(), f"a count was left: {e!r}"
+        assert _idle(e), f"a count was left: {e!r}"
 
 
 async def _program(root: str, prog, fault: Fault, start: int, stop: int) -> None:

@@ -170,7 +170,10 @@ class Reads:
                 tries = 0
                 direct = cuda_direct = False
             else:
-                direct = cuda_direct = True  # the same value, whose loads kept losing their copies
+                # the same value, whose loads kept losing their copies: read
+                # it without loading (others run first, whatever took them)
+                direct = cuda_direct = True
+                await asyncio.sleep(0)
 
     async def promote_from(self, e: Entry, raw: Any) -> None:
         """Copy a value just read from NVMe (``raw``, its bytes) into the host
@@ -295,7 +298,8 @@ class Hold:
             if e.nbytes == 0:
                 return result_like(e.meta, self.device, aligned=False)[0]
             if e.nbytes > t.capacity:
-                raise StoreFullError(f"{self.key!r} ({e.nbytes} bytes) is larger than the {tier} tier")
+                name = "GPU" if tier == GPU else "host"
+                raise StoreFullError(f"{self.key!r} ({e.nbytes} bytes) is larger than the {name} tier")
             if tier == HOST and e.replaced is not None:
                 await asyncio.shield(e.replaced)  # a put overwriting it in place
                 continue
