@@ -441,6 +441,28 @@ class Mover:
             return False
         return True
 
+    def stats(self, nvme_entries: int) -> dict[str, dict[str, Any]]:
+        """See :meth:`TieredStore.stats` (``nvme_entries``: the values with an NVMe copy)."""
+        out: dict[str, dict[str, Any]] = {}
+        for name, t in self.tiers.items():
+            if name == NVME:
+                continue
+            out[name] = {"used": t.used, "capacity": t.capacity, "entries": len(t.entries)}
+            if name == HOST:
+                out[name]["pinned"] = t.pinned
+            out[name].update(t.stats)
+        nv = self.nvme
+        out[NVME] = {
+            "used": nv.used,
+            "capacity": nv.capacity,
+            "entries": nvme_entries,
+            "slabs": [s.path for s in nv.slabs],
+            "free_extents": sum(len(s.alloc.extents()) for s in nv.slabs),
+            "fragmentation": max((s.alloc.fragmentation() for s in nv.slabs), default=0.0),
+            **nv.stats,
+        }
+        return out
+
     # -- copies between memory ----------------------------------------------------------
 
     async def copy(self, dst: Any, src: Any) -> None:

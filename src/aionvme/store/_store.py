@@ -16,8 +16,6 @@ import warnings
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
-import numpy as np
-
 from .. import defaults
 from ..exceptions import DeviceError
 from ._cleaner import Cleaner
@@ -30,7 +28,7 @@ from ._nvme import NvmeTier
 from ._policy import Admission, EvictionPolicy, make_admission, make_policy
 from ._reads import Hold, Reads
 from ._tiers import GPU, HOST, NVME, Entry, Writers
-from ._values import Meta, numel
+from ._values import Meta
 from ._writes import Writes
 
 # a mapping's key type is invariant: put_many takes dict[str, Tensor] through a TypeVar
@@ -164,7 +162,7 @@ class TieredStore:
         self._cleaner = Cleaner(self._mover, enabled=not self.persist)
         self._reads = Reads(self._mover, self._index, self.admission)
         self._writes = Writes(
-            self._mover, self._cleaner, self._index, self._klocks, self._journal, self.persist
+            self._mover, self._cleaner, self._index, self._klocks, self._journal, self.persist, self.admission
         )
         self._compactor = Compactor(self._mover, self._index, self._klocks, self._journal, self.persist)
         self._nvme.compactor = self._compactor.run
@@ -428,39 +426,7 @@ class TieredStore:
             raise AttachError(
                 "attach() needs a scratch store (persist=False): its index cannot name other files"
             )
-        if like == "torch":
-            import torch
-
-            from ._values import torch_dtype
-
-            item = int(torch.empty(0, dtype=torch_dtype(dtype)).element_size())
-            name = dtype
-        elif like == "numpy":
-            item = np.dtype(dtype).itemsize
-            name = np.dtype(dtype).str
-        else:
-            raise ValueError(f"like must be 'torch' or 'numpy', got {like!r}")
-        shp = tuple(int(d) for d in shape)
-        nbytes = numel(shp) * item
-        if offset < 0 or min(shp, default=0) < 0:
-            raise AttachError(f"offset and shape must be >= 0, got {offset} and {shp}")
-        loop = asyncio.get_running_loop()
-        fname = os.fspath(path)
-        si, size = await loop.run_in_executor(None, self._nvme.source, fname)
-        if offset + nbytes > size:
-            raise AttachError(
-                f"{fname}: the region [{offset}, {offset + nbytes}) is past the end of the file "
-                f"({size} bytes)"
-            )
-        async with self._writer(key):
-            e = Entry(key, Meta(like, name, shp, nbytes))
-            if nbytes:
-                e.copy(NVME).where = [(si, int(offset), 0, nbytes)]
-            old = self._index.get(key)
-            self._index[key] = e
-            if old is not None:
-                self._mover.retire(old)
-            self.admission.forget(key)
+        await self._writes.attach(key, path, offset, shape, dtype, like)
 
     # -- prefetch / hold / evict / delete --------------------------------------------------
 
@@ -578,32 +544,7 @@ class TieredStore:
         (time spent waiting for room). For 'nvme', ``capacity`` is the slabs'
         current size, ``free_extents`` and ``fragmentation`` describe its free space.
         """
-        out: dict[str, dict[str, Any]] = {}
-        if self._gpu is not None:
-            out["gpu"] = {
-                "used": self._gpu.used,
-                "capacity": self._gpu.capacity,
-                "entries": len(self._gpu.entries),
-                **self._gpu.stats,
-            }
-        out["host"] = {
-            "used": self._host.used,
-            "capacity": self._host.capacity,
-            "entries": len(self._host.entries),
-            "pinned": self._host.pinned,
-            **self._host.stats,
-        }
-        nv = self._nvme
-        out["nvme"] = {
-            "used": nv.used,
-            "capacity": nv.capacity,
-            "entries": sum(1 for e in self._index.values() if e.disk is not None),
-            "slabs": [s.path for s in nv.slabs],
-            "free_extents": sum(len(s.alloc.extents()) for s in nv.slabs),
-            "fragmentation": max((s.alloc.fragmentation() for s in nv.slabs), default=0.0),
-            **nv.stats,
-        }
-        return out
+        return self._mover.stats(sum(1 for e in self._index.values() if e.disk is not None))
 
     async def close(self) -> None:
         """Wait for prefetches in flight, write the index (persist=True), close

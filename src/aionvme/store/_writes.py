@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Awaitable, Hashable, Mapping
+import os
+from collections.abc import Awaitable, Hashable, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from ._alloc import ALIGN, round_up
 from ._cleaner import Cleaner
-from ._errors import StoreKeyTypeError
+from ._errors import AttachError, StoreKeyTypeError
 from ._mover import Mover, as_torch
 from ._nvme import Extents
+from ._policy import Admission
 from ._tiers import GPU, HOST, NVME, Entry, Writers
-from ._values import address, describe, flat_bytes, is_cuda
+from ._values import Meta, address, describe, flat_bytes, is_cuda, numel
 
 __all__ = ["Writes", "to_the_end"]
 
@@ -49,8 +53,10 @@ class Writes:
         queues: dict[Hashable, collections.deque[asyncio.Future[None]]],
         journal: Any,
         persist: bool,
+        admission: Admission,
     ) -> None:
         self.mover = mover
+        self.admission = admission
         self.cleaner = cleaner
         self.index = index
         self.queues = queues
@@ -213,6 +219,49 @@ class Writes:
             await self.mover.write_out(todo)
         while any(e.moving for e in entries):
             await self.mover.host.wait_change(None, "a demotion of a value being put")
+
+    async def attach(
+        self,
+        key: Hashable,
+        path: str | os.PathLike[str],
+        offset: int,
+        shape: Sequence[int],
+        dtype: str,
+        like: str,
+    ) -> None:
+        """See :meth:`TieredStore.attach` (the caller checked that the store is a scratch store)."""
+        if like == "torch":
+            import torch
+
+            from ._values import torch_dtype
+
+            item = int(torch.empty(0, dtype=torch_dtype(dtype)).element_size())
+            name = dtype
+        elif like == "numpy":
+            item = np.dtype(dtype).itemsize
+            name = np.dtype(dtype).str
+        else:
+            raise ValueError(f"like must be 'torch' or 'numpy', got {like!r}")
+        shp = tuple(int(d) for d in shape)
+        nbytes = numel(shp) * item
+        if offset < 0 or min(shp, default=0) < 0:
+            raise AttachError(f"offset and shape must be >= 0, got {offset} and {shp}")
+        fname = os.fspath(path)
+        si, size = await asyncio.get_running_loop().run_in_executor(None, self.mover.nvme.source, fname)
+        if offset + nbytes > size:
+            raise AttachError(
+                f"{fname}: the region [{offset}, {offset + nbytes}) is past the end of the file "
+                f"({size} bytes)"
+            )
+        async with self.writer(key):
+            e = Entry(key, Meta(like, name, shp, nbytes))
+            if nbytes:
+                e.copy(NVME).where = [(si, int(offset), 0, nbytes)]
+            old = self.index.get(key)
+            self.index[key] = e
+            if old is not None:
+                self.mover.retire(old)
+            self.admission.forget(key)
 
     async def _journal_put(self, entries: list[Entry]) -> None:
         if self.journal is None:
