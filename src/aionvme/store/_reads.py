@@ -290,13 +290,13 @@ class Hold:
         s._enter()
         deadline = s._deadline(self.timeout)
         tier = self._tier
-        if tier == GPU and m.gpu is None:
-            raise DeviceError("hold(device='cuda') on a store without a GPU tier (gpu=None)")
-        t = m.tiers[tier]
         while True:
             e = self.reads.lookup(self.key)
             if e.nbytes == 0:
                 return result_like(e.meta, self.device, aligned=False)[0]
+            t = m.tiers.get(tier)
+            if t is None:
+                raise DeviceError("hold(device='cuda') on a store without a GPU tier (gpu=None)")
             if e.nbytes > t.capacity:
                 name = "GPU" if tier == GPU else "host"
                 raise StoreFullError(f"{self.key!r} ({e.nbytes} bytes) is larger than the {name} tier")
