@@ -184,7 +184,7 @@ class Writes:
         are dropped: they would only be evicted to new space later). A swap
         loop then rewrites the same blocks every step (overwriting a written
         block is more than twice as fast as a first write here, see
-        bench/write_space.py) and the slab stays the size of the data."""
+        bench/probes/write_space.py) and the slab stays the size of the data."""
         if self.persist:
             return None
         prev = self.index.get(e.key)
