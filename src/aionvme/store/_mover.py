@@ -411,6 +411,10 @@ class Mover:
         c = e.copy(tier)
         c.claims += 1
         try:
+            if task.done():
+                # its done callback (which clears Copy.loading) runs first: a
+                # caller that loops until the load is gone must not spin
+                await asyncio.sleep(0)
             await asyncio.shield(task)
         finally:
             # evictable again once the caller has taken its reference (it does

@@ -478,7 +478,10 @@ class TieredStore:
             while t is not None and e.at(tier) is not None and not e.dead:
                 c = e.copies[tier]
                 if c.loading is not None:
-                    await asyncio.shield(c.loading)
+                    # its end, however it ends (a prefetch's error is not this
+                    # evict's); wait() yields even for a load already done,
+                    # whose done callback (that clears it) is still to run
+                    await asyncio.wait([c.loading])
                     continue
                 if not m.evictable(t, e):
                     await t.wait_change(deadline, f"evicting {key!r}")
