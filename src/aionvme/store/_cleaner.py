@@ -13,7 +13,7 @@ from typing import Any
 from .._runtime.reactor import get_reactor
 from ._alloc import round_up
 from ._mover import Mover
-from ._tiers import Entry, WriteOut
+from ._tiers import HOST, Entry, WriteOut
 
 __all__ = ["Cleaner"]
 
@@ -112,7 +112,8 @@ class Cleaner:
             if e.disk is not None or e.gpu is not None or e.host is None or e.dead or e not in h.entries:
                 gone.append(e)  # written, copied elsewhere, or out of the tier
                 continue
-            if e.busy():
+            c = e.copies[HOST]
+            if c.refs or c.claims or c.loading is not None or e.moving:
                 continue  # read, held, loading or written now: a later kick takes it
             got.append(e)
             n += round_up(e.nbytes)

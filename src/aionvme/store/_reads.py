@@ -44,7 +44,10 @@ class Reads:
         reference count, no task switch, no notify): the value, or None where
         the general path must serve it (not in host memory, a copy large
         enough for threads, a CUDA ``out``)."""
-        off = e.host
+        c = e.copies.get(HOST)  # (not e.host: this is the hot path)
+        if c is None:
+            return None
+        off = c.where
         meta = e.meta
         n = meta.nbytes
         if off is None or n == 0 or n >= self.mover.copy_threshold:

@@ -348,7 +348,7 @@ class TieredStore:
         """
         self._enter()
         e = self._reads.lookup(key)
-        if device == "cpu" and e.host is not None:
+        if device == "cpu":
             value = self._reads.hit_now(e, out)
             if value is not None:
                 return value
