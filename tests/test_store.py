@@ -249,7 +249,7 @@ async def test_a_write_behind_cancelled_before_it_ran_leaves_nothing_unawaited(t
     s = TieredStore(tmp_path, host=3 * mib + 64 * KiB, nvme="64M")
     for i in range(3):
         await s.put(i, vals[i])
-    cleaners = list(s._cleaners)
+    cleaners = list(s._cleaner.batches)
     assert cleaners
     for t in cleaners:
         t.cancel()  # before it ran: the put returned without suspending

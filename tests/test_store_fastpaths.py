@@ -74,15 +74,15 @@ async def test_large_copies_run_in_parallel_slices(tmp_path):
         s.copy_threads = 4
         await s.put("v", v)  # copied in by the threads
         await s.put("t", t)
-        assert s._copy_pool is not None
+        assert s._mover.copy_pool is not None
         assert s.where("v") == ["host"] and s.where("t") == ["host"]
         assert np.array_equal(await s.get("v"), v)
         out = np.empty_like(v)
         await s.get("v", out=out)
         assert np.array_equal(out, v)
         assert torch.equal(await s.get("t"), t)
-        pool = s._copy_pool
-    assert s._copy_pool is None and pool._shutdown
+        pool = s._mover.copy_pool
+    assert s._mover.copy_pool is None and pool._shutdown
 
 
 async def test_write_behind_keeps_several_batches_in_flight_and_every_put_evicts(tmp_path):
@@ -93,8 +93,8 @@ async def test_write_behind_keeps_several_batches_in_flight_and_every_put_evicts
         most = 0
         for i, v in enumerate(vals):
             await s.put(i, v)
-            most = max(most, len(s._cleaners))
-            assert s._clean_bytes <= 4 * n
+            most = max(most, len(s._cleaner.batches))
+            assert s._cleaner.in_flight <= 4 * n
         assert most >= 2  # batches overlap (the device always has the next one queued)
         while s._tasks:
             await asyncio.gather(*list(s._tasks))
@@ -246,7 +246,7 @@ async def test_write_behind_of_a_two_value_tier_keeps_two_writes_in_flight(tmp_p
         most = 0
         for i, v in enumerate(vals):
             await s.put(i, v)
-            most = max(most, len(s._cleaners))
+            most = max(most, len(s._cleaner.batches))
         assert most == 2  # the value being written and the next one: the device is never idle
         while s._tasks:
             await asyncio.gather(*list(s._tasks))

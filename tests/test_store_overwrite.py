@@ -150,14 +150,14 @@ async def test_a_storm_of_swap_outs_and_reads_on_few_keys(tmp_path, phased):
     hits = []
     with _phase_min(4096 if phased else None):
         async with TieredStore(tmp_path, host=HOST) as store:
-            reusable = store._reusable
+            reusable = store._writes.reusable
 
             def counted(e, src):
                 r = reusable(e, src)
                 hits.append(r is not None)
                 return r
 
-            store._reusable = counted  # type: ignore[method-assign]
+            store._writes.reusable = counted  # type: ignore[method-assign]
             model: dict = {}
             for _ in range(4):
                 rnd = []

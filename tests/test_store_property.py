@@ -64,6 +64,33 @@ def sig(spec) -> tuple[str, bytes] | None:
     return (kind, as_bytes(make_value(seed, size, kind)))
 
 
+async def run_op(store: TieredStore, op: str, key, spec):
+    """One call of a program; a read's values, else None."""
+    if op == "put":
+        await store.put(key, make_value(*spec))
+    elif op == "put_nvme":
+        await store.put(key, make_value(*spec), to="nvme")
+    elif op == "put_many":
+        await store.put_many({k: make_value(*spec) for k in key})
+    elif op == "delete":
+        await store.delete(key)
+    elif op == "get":
+        return [await store.get(key)]
+    elif op == "get_many":
+        return await store.get_many(key)
+    elif op == "hold":
+        async with store.hold(key) as t:
+            first = as_bytes(t)
+            await asyncio.sleep(0)  # others run while it is held
+            assert as_bytes(t) == first, "a held value changed"
+            return [t.clone() if isinstance(t, torch.Tensor) else t.copy()]
+    elif op == "evict":
+        await store.evict(key)
+    elif op == "prefetch":
+        await store.prefetch([key])
+    return None
+
+
 async def _round(store: TieredStore, model: dict, round_ops) -> None:
     # every state each key passes through this round, in write order
     states: dict[str, list] = {k: [model.get(k)] for k in KEYS}
@@ -81,32 +108,7 @@ async def _round(store: TieredStore, model: dict, round_ops) -> None:
     def allowed(k: str) -> set:
         return {sig(s) for s in states[k]}
 
-    async def run(op, key, spec):
-        if op == "put":
-            await store.put(key, make_value(*spec))
-        elif op == "put_nvme":
-            await store.put(key, make_value(*spec), to="nvme")
-        elif op == "put_many":
-            await store.put_many({k: make_value(*spec) for k in key})
-        elif op == "delete":
-            await store.delete(key)
-        elif op == "get":
-            return [await store.get(key)]
-        elif op == "get_many":
-            return await store.get_many(key)
-        elif op == "hold":
-            async with store.hold(key) as t:
-                first = as_bytes(t)
-                await asyncio.sleep(0)  # others run while it is held
-                assert as_bytes(t) == first, "a held value changed"
-                return [t.clone() if isinstance(t, torch.Tensor) else t.copy()]
-        elif op == "evict":
-            await store.evict(key)
-        elif op == "prefetch":
-            await store.prefetch([key])
-        return None
-
-    results = await asyncio.gather(*(run(*o) for o in round_ops), return_exceptions=True)
+    results = await asyncio.gather(*(run_op(store, *o) for o in round_ops), return_exceptions=True)
     d = 0
     for (op, key, _spec), res in zip(round_ops, results):
         if op == "delete":
@@ -150,7 +152,7 @@ async def _check(store: TieredStore, model: dict) -> None:
     st_ = store.stats()
     assert st_["host"]["used"] <= st_["host"]["capacity"]
     for e in store._index.values():
-        assert e.refs == 0 and e.disk_refs == 0 and e.claims == 0 and e.gpu_claims == 0 and not e.moving
+        assert e.idle(), e  # no reference, claim, load or write-out left
 
 
 async def _program(dirs, prog, policy, admit, nvme_cap, persist) -> None:

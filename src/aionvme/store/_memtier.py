@@ -138,6 +138,8 @@ class HostTier(MemTier):
         self.alloc.free(off - p, nbytes + p)
         self.notify()
 
+    release = free  # the tier interface (see _tiers.Tier)
+
     def view(self, off: int, nbytes: int, whole_pages: bool = False) -> Any:
         """The arena's bytes of a value (1-D uint8), page-rounded if whole_pages."""
         n = round_up(nbytes) if whole_pages else nbytes
@@ -171,3 +173,9 @@ class GpuTier(MemTier):
         del t
         self._used -= round_up(nbytes)
         self.notify()
+
+    release = free  # the tier interface (see _tiers.Tier)
+
+    def view(self, t: Any, nbytes: int, whole_pages: bool = False) -> Any:
+        """A value's bytes in its tensor (1-D uint8), page-rounded if whole_pages."""
+        return t[: round_up(nbytes) if whole_pages else nbytes]

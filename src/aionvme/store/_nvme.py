@@ -367,6 +367,13 @@ class NvmeTier:
             if i >= 0:  # a source's bytes are the file's own
                 self.slabs[i].alloc.free(*span(off, n))
 
+    def release(self, ext: Extents, nbytes: int = 0) -> None:
+        """:meth:`free`, as the tier interface names it (see _tiers.Tier)."""
+        self.free(ext)
+
+    def notify(self) -> None:
+        """Nobody waits for room in this tier (allocation grows or fails)."""
+
     def source(self, path: str) -> tuple[int, int]:
         """The (negative) slab index of a read-only source file, opened once,
         and the file's size."""
