@@ -30,15 +30,33 @@ __all__ = [
     "SettingTypeError",
     "ShortReadError",
     "ShortWriteError",
+    "TorchNotInstalledError",
     "UnsafeSymlinkError",
     "UnsupportedOperation",
     "cufile_error",
+    "import_torch",
     "os_error",
 ]
 
 
 class AionvmeError(Exception):
     """Root of the errors aionvme defines."""
+
+
+class TorchNotInstalledError(AionvmeError, ModuleNotFoundError):
+    """torch tensors were asked for (``like="torch"``, the default, or a
+    checkpoint that holds torch tensors), but torch is not installed."""
+
+
+def import_torch(hint: str) -> Any:
+    """The torch module, or TorchNotInstalledError saying what to do instead."""
+    try:
+        import torch
+    except ModuleNotFoundError as e:
+        if e.name not in ("torch", None):
+            raise  # torch is there but one of its own dependencies is missing
+        raise TorchNotInstalledError(f"torch is not installed: {hint}", name="torch") from None
+    return torch
 
 
 class BufferTypeError(AionvmeError, TypeError):

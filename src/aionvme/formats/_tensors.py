@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ..exceptions import AionvmeError, DeviceError
+from ..exceptions import DeviceError, TorchNotInstalledError, import_torch
 from ._header import DTYPES, NUMPY_CODES, TORCH_CODES, DType, SafetensorsError, TensorInfo
 
 __all__ = [
@@ -27,20 +27,9 @@ __all__ = [
 ]
 
 
-class TorchNotInstalledError(AionvmeError, ModuleNotFoundError):
-    """torch tensors were asked for (``like="torch"``, the default, or a
-    checkpoint that holds torch tensors), but torch is not installed."""
-
-
 def require_torch(hint: str) -> Any:
     """The torch module, or TorchNotInstalledError saying what to do instead."""
-    try:
-        import torch
-    except ModuleNotFoundError as e:
-        if e.name not in ("torch", None):
-            raise  # torch is there but one of its own dependencies is missing
-        raise TorchNotInstalledError(f"torch is not installed: {hint}", name="torch") from None
-    return torch
+    return import_torch(hint)
 
 
 LIKE_NUMPY = (

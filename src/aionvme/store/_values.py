@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from .._engine import AlignedBuffer
-from ..exceptions import BufferTypeError, DeviceError, NonContiguousBufferError
+from ..exceptions import BufferTypeError, DeviceError, NonContiguousBufferError, import_torch
 from ._alloc import round_up
 from ._errors import OutBufferError, StoreKeyTypeError
 
@@ -83,9 +83,10 @@ def np_dtype(name: str) -> np.dtype[Any]:
 
 
 def _torch() -> Any:
-    import torch
-
-    return torch
+    return import_torch(
+        "the value was stored as a torch tensor, or like='torch' (the default) asks for one; "
+        "pass like='numpy' to attach, or install torch (pip install 'aionvme[torch]')"
+    )
 
 
 def _is_tensor(v: object) -> bool:
