@@ -62,7 +62,7 @@ def _count(n: object) -> bool:
 
 @functools.lru_cache(maxsize=64)
 def _torch_itemsize(name: str) -> int:
-    return int(_torch().empty(0, dtype=torch_dtype(name)).element_size())
+    return int(torch_module().empty(0, dtype=torch_dtype(name)).element_size())
 
 
 def dtype_name(dt: np.dtype[Any]) -> str:
@@ -82,7 +82,8 @@ def np_dtype(name: str) -> np.dtype[Any]:
     return np.dtype(name)
 
 
-def _torch() -> Any:
+def torch_module() -> Any:
+    """The torch module, or TorchNotInstalledError saying what to do instead."""
     return import_torch(
         "the value was stored as a torch tensor, or like='torch' (the default) asks for one; "
         "pass like='numpy' to attach, or install torch (pip install 'aionvme[torch]')"
@@ -90,7 +91,7 @@ def _torch() -> Any:
 
 
 def _is_tensor(v: object) -> bool:
-    return "torch" in sys.modules and isinstance(v, _torch().Tensor)
+    return "torch" in sys.modules and isinstance(v, torch_module().Tensor)
 
 
 def is_cuda(v: object) -> bool:
@@ -105,7 +106,7 @@ def describe(value: Any) -> Meta:
         return Meta("numpy", dtype_name(value.dtype), tuple(value.shape), int(value.nbytes))
     if _is_tensor(value):
         t = value
-        if t.is_sparse or t.layout != _torch().strided:
+        if t.is_sparse or t.layout != torch_module().strided:
             raise BufferTypeError(f"only strided (dense) tensors can be stored, got {t.layout}")
         name = str(t.dtype).removeprefix("torch.")
         return Meta("torch", name, tuple(t.shape), int(t.numel() * t.element_size()))
@@ -121,11 +122,11 @@ def flat_bytes(value: Any) -> Any:
         a = np.ascontiguousarray(value)
         return a.reshape(-1).view(np.uint8)
     t = value.contiguous().reshape(-1)
-    return t.view(_torch().uint8)
+    return t.view(torch_module().uint8)
 
 
 def torch_dtype(name: str) -> Any:
-    torch = _torch()
+    torch = torch_module()
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
         raise BufferTypeError(f"unknown torch dtype {name!r}")
@@ -138,7 +139,7 @@ def view_as(raw: Any, meta: Meta) -> Any:
     if meta.kind == "numpy":
         a = raw if isinstance(raw, np.ndarray) else raw.numpy()
         return a[: meta.nbytes].view(np_dtype(meta.dtype)).reshape(meta.shape)
-    torch = _torch()
+    torch = torch_module()
     t = raw if _is_tensor(raw) else torch.from_numpy(raw)
     t = t[: meta.nbytes]
     if meta.nbytes == 0:
@@ -157,7 +158,7 @@ def result_like(meta: Meta, device: str, aligned: bool, nbytes: int | None = Non
             raise DeviceError(f"a numpy value can only be returned on 'cpu', not {device!r}")
         raw = _aligned_numpy(n) if aligned else np.empty(n, np.uint8)
         return view_as(raw, meta), raw
-    torch = _torch()
+    torch = torch_module()
     if dev.startswith("cuda"):
         if not torch.cuda.is_available():
             raise DeviceError(f"device={device!r} but CUDA is not available")
@@ -189,7 +190,7 @@ def _aligned_numpy(n: int) -> Any:
 
 
 def _aligned_torch(n: int) -> Any:
-    torch = _torch()
+    torch = torch_module()
     if n >= RECYCLE_MIN:
         return torch.from_numpy(_aligned_numpy(n))
     raw = torch.empty(n + PAGE, dtype=torch.uint8)
@@ -267,7 +268,7 @@ def check_out(out: Any, meta: Meta) -> Any:
         raise _refuse(out.dtype, meta)
     if not out.is_contiguous():
         raise NonContiguousBufferError("out must be contiguous")
-    return out.reshape(-1).view(_torch().uint8)
+    return out.reshape(-1).view(torch_module().uint8)
 
 
 def check_keys(keys: Any, persist: bool) -> None:

@@ -228,9 +228,9 @@ class Writes:
     ) -> None:
         """See :meth:`TieredStore.attach` (the caller checked that the store is a scratch store)."""
         if like == "torch":
-            from ._values import _torch, torch_dtype
+            from ._values import torch_dtype, torch_module
 
-            torch = _torch()  # TorchNotInstalledError where torch is missing
+            torch = torch_module()  # TorchNotInstalledError where torch is missing
             item = int(torch.empty(0, dtype=torch_dtype(dtype)).element_size())
             name = dtype
         elif like == "numpy":
