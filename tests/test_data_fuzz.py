@@ -19,6 +19,7 @@ import zlib
 import numpy as np
 import pytest
 
+from _fuzz import fuzz_settings
 from _mds_stub import import_streaming
 from aionvme.data import CorruptDatasetError, Dataset, DatasetError, Loader, sync_write_dataset
 from aionvme.data._format import INDEX_END, INDEX_MAGIC, INDEX_NAME
@@ -204,19 +205,10 @@ def _aio_mutant(draw, root) -> None:
 
 
 def _fuzz(examples: int, mutant):
-    from hypothesis import HealthCheck, given, settings
+    from hypothesis import given
     from hypothesis import strategies as hst
 
-    @settings(
-        max_examples=examples,
-        deadline=None,
-        database=None,
-        suppress_health_check=[
-            HealthCheck.function_scoped_fixture,
-            HealthCheck.too_slow,
-            HealthCheck.data_too_large,
-        ],
-    )
+    @fuzz_settings(examples)
     @given(data=hst.data())
     def run(tmp_path, templates, data):
         template = templates[data.draw(hst.integers(0, len(templates) - 1))]

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import aionvme as nvme
+from _fuzz import fuzz_settings
 from aionvme.formats import _header, _safetensors
 
 torch = pytest.importorskip("torch")
@@ -743,19 +744,10 @@ def _check_mutant(path, content: bytes) -> str:
 
 
 def _fuzz(examples: int):
-    from hypothesis import HealthCheck, given, settings
+    from hypothesis import given
     from hypothesis import strategies as hst
 
-    @settings(
-        max_examples=examples,
-        deadline=None,
-        database=None,
-        suppress_health_check=[
-            HealthCheck.function_scoped_fixture,
-            HealthCheck.too_slow,
-            HealthCheck.data_too_large,
-        ],
-    )
+    @fuzz_settings(examples)
     @given(data=hst.data())
     def run(path, seeds, data):
         seed = seeds[data.draw(hst.integers(0, len(seeds) - 1))]
