@@ -689,6 +689,36 @@ async def test_shard_removed_mid_pass(ds_dir):
     await loader.aclose()
 
 
+async def test_a_consumer_cancelled_at_the_end_of_an_epoch_is_told_the_epoch_ended(ds_dir):
+    """Cancelled at any await point of the call that meets the epoch's end (the pass closing
+    included), the consumer is still told the epoch ended: the same iterator stops, and so does
+    a new pass, which finds nothing left of it; the next epoch starts once, after that."""
+    path, _ = ds_dir
+    seen_cancelled = 0
+    for k in range(12):
+        loader = Loader(path, batch_size=100, shuffle=False, prefetch="8M")
+        it = aiter(loader)
+        for _ in range(3):
+            await anext(it)
+        t = asyncio.ensure_future(anext(it))
+        for _ in range(k):
+            await asyncio.sleep(0)
+        t.cancel()
+        try:
+            await t
+        except StopAsyncIteration:
+            pass
+        except asyncio.CancelledError:
+            seen_cancelled += 1
+            with pytest.raises(StopAsyncIteration):
+                await anext(aiter(loader) if k % 2 else it)
+        assert loader.epoch == 1 and loader.state_dict()["position"] == 0, k
+        assert len([b async for b in loader]) == 3  # epoch 1, whole, once
+        assert loader.epoch == 2
+        await loader.aclose()
+    assert seen_cancelled > 0
+
+
 async def test_cancelled_consumer_resumes_exactly(ds_dir):
     """A consumer cancelled at any point while it waits for a batch (reads in
     flight, the batch being assembled) loses nothing: the batch it did not get

@@ -90,6 +90,7 @@ class Run:
         self.growing = False
         self.idle_since: float | None = None  # no read in flight, the producer waiting for memory
         self.closed = False
+        self.ended = False  # the producer's end-of-epoch mark was taken from the queue
         self.closing: asyncio.Task[None] | None = None
         self.t0 = 0.0
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -236,6 +237,9 @@ class Run:
         ld = self.loader
         if self.undelivered is not None:
             return self.undelivered[:2]
+        if self.ended:
+            self._end()
+            return None
         if self.closed:
             return None
         if self.ready is None:
@@ -256,11 +260,12 @@ class Run:
                 await self.aclose()
                 raise item
             if item is None:
-                if ld._generation == self.gen:
-                    ld._epoch += 1
-                    ld._position = 0
-                    ld._generation += 1
+                # The epoch ends for the consumer when it is told so: a consumer cancelled
+                # while the pass closes is told at its next call (or a new pass finds
+                # nothing left of the epoch), never handed the next epoch instead.
+                self.ended = True
                 await self.aclose()
+                self._end()
                 return None
             self.waiting = item
         task, slab, pos = self.waiting
@@ -282,6 +287,15 @@ class Run:
         ld._stats.consumer_wait += time.perf_counter() - t
         self.undelivered = (plan, slab, pos)
         return plan, slab
+
+    def _end(self) -> None:
+        """The end of the epoch reached the consumer: the loader moves to the next one
+        (once: a second call finds the generation moved on)."""
+        ld = self.loader
+        if ld._generation == self.gen:
+            ld._epoch += 1
+            ld._position = 0
+            ld._generation += 1
 
     def commit(self, lent: Lent) -> None:
         """The batch from :meth:`next` reached the consumer: it counts as handed out."""
