@@ -7,6 +7,7 @@ import asyncio
 import gc
 import importlib
 import os
+import re
 import shutil
 import site
 import subprocess
@@ -38,16 +39,17 @@ def pytest_asyncio_loop_factories(config, item):
 # Peers that the README's test command cannot install (their packages need --no-deps: DeepSpeed's
 # bare torch requirement, mosaicml-streaming's torchvision): their tests skip there, with the reason,
 # and .ci/run's extra job installs them and runs `pytest -m peers`.
+# The serving engines (vLLM, SGLang, LMCache), Lightning, diffusers and Ray join them: their tests
+# mark themselves (`pytestmark = pytest.mark.peers`) or name the package in a skipif reason.
 PEER_FILES = {"test_deepspeed_compat.py", "test_data_mds.py"}
-PEER_MODULES = ("deepspeed", "streaming")
+PEER_MODULES = re.compile(r"\b(deepspeed|streaming|vllm|sglang|lmcache|ray|lightning|diffusers)\b")
 
 
 def _needs_a_peer(item: pytest.Item) -> bool:
     if item.path.name in PEER_FILES:
         return True
     return any(
-        any(m in str(mark.kwargs.get("reason", "")) for m in PEER_MODULES)
-        for mark in item.iter_markers("skipif")
+        PEER_MODULES.search(str(mark.kwargs.get("reason", ""))) for mark in item.iter_markers("skipif")
     )
 
 
