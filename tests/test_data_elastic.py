@@ -186,7 +186,14 @@ def test_another_world_size_needs_the_merged_state(datasets):
             ld.load_state_dict(states[0])
         assert isinstance(e.value, ValueError) and isinstance(e.value, AionvmeError)
         ld.load_state_dict(merge_states(states))
-        assert len(ld) == -(-(61 - 2 - 4 - 0 - 6) // 2)
+        assert len(ld) == -(-(61 - 2 - 4 - 0 - 6) // 2) == 25
+        assert ld.state_dict()["resumed"] == [{"world_size": 4, "positions": [2, 4, 0, 6]}]
+        rest = [i for b in ld for i in b["id"].tolist()]
+        assert len(rest) == 25 and ld.epoch == 1
+        # the next epoch is a whole one again, split at this world size
+        assert ld.state_dict()["resumed"] == [] and len(ld) == 31
+        first = next(iter(ld))["id"].tolist()
+        assert first == rank_part(epoch_order(61, 3, 1, True), 0, 2, False)[:1].tolist()
     # the same world size still takes its own rank's state as before
     with Loader(path, rank=1, world_size=4, shuffle=True, seed=3) as ld:
         ld.load_state_dict(states[1])
@@ -330,3 +337,25 @@ def test_four_processes_stop_and_resume_with_two_and_with_three(datasets, tmp_pa
         assert len(flat) == -(-rest // ws) * ws  # padding: fewer than ws repeats
         assert not set(flat) & seen
         assert seen | set(flat) == set(range(61))
+
+
+@pytest.mark.slow
+def test_bench_elastic_smoke(tmp_path):
+    """bench/suites/bench_data_elastic.py runs and checks what it claims (tiny size)."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if shutil.which("fio") is None:
+        pytest.skip("fio is not installed")
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "r.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root / "src"), *sys.path]))
+    script = str(root / "bench" / "suites" / "bench_data_elastic.py")
+    cmd = [sys.executable, script, "--size", "128M", "--repeat", "1", "--to-world", "3", "--json", str(out)]
+    subprocess.run(cmd, check=True, env=env, cwd=tmp_path, timeout=300)
+    rows = json.loads(out.read_text())
+    assert [r["tool"].split()[0] for r in rows] == ["fio", "aionvme", "aionvme"]
+    assert all(r["ok"] and r["MB_s"] > 0 for r in rows)
+    assert 0 < rows[1]["samples"] < 1024
