@@ -9,6 +9,7 @@
     loader = nvme.data.Loader(ds, batch_size=256, shuffle=True, seed=0, prefetch="512M")
     async for batch in loader: ...                # or a plain `for`: it reads on aionvme's background loop
     state = loader.state_dict()                   # exact resume in the middle of an epoch
+    merged = nvme.data.merge_states(all_ranks_states)   # ... also at another world size
 
 torch is imported only when tensors are made (``tensors='torch'``, the default)
 or :class:`TorchIterable` is used.
@@ -20,7 +21,14 @@ from typing import Any
 
 from ._batch import pad_batch
 from ._dataset import Dataset
-from ._errors import CorruptDatasetError, DatasetChangedError, DatasetError, UnsupportedDatasetError
+from ._elastic import merge_states
+from ._errors import (
+    CorruptDatasetError,
+    DatasetChangedError,
+    DatasetError,
+    LoaderStateError,
+    UnsupportedDatasetError,
+)
 from ._loader import Loader
 from ._memory import BudgetError, BudgetWarning
 from ._order import epoch_order, rank_part
@@ -34,9 +42,11 @@ __all__ = [
     "DatasetChangedError",
     "DatasetError",
     "Loader",
+    "LoaderStateError",
     "TorchIterable",
     "UnsupportedDatasetError",
     "epoch_order",
+    "merge_states",
     "pad_batch",
     "rank_part",
     "sync_write_dataset",

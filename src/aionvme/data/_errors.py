@@ -7,7 +7,13 @@ from typing import Any
 
 from ..exceptions import AionvmeError
 
-__all__ = ["CorruptDatasetError", "DatasetChangedError", "DatasetError", "UnsupportedDatasetError"]
+__all__ = [
+    "CorruptDatasetError",
+    "DatasetChangedError",
+    "DatasetError",
+    "LoaderStateError",
+    "UnsupportedDatasetError",
+]
 
 
 class DatasetError(AionvmeError, ValueError):
@@ -62,3 +68,10 @@ class DatasetChangedError(AionvmeError, RuntimeError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self._message, self.filename, self.sample))
+
+
+class LoaderStateError(AionvmeError, ValueError):
+    """A loader state that cannot be loaded or merged here: another dataset,
+    seed, shuffle or drop_last, another rank or world size without
+    :func:`~aionvme.data.merge_states`, a rank missing from a merge, a
+    position out of range."""

@@ -18,14 +18,14 @@ from ..defaults import parse_size
 from ..exceptions import DeviceError
 from ._batch import BatchPlan
 from ._dataset import Dataset, check_tensors
+from ._elastic import STATE_VERSION, Phases, check_phases, phases_of, phases_to_state, rest_count, rest_index
+from ._errors import LoaderStateError
 from ._layout import ALIGN, FileCache
 from ._memory import BudgetError, Lent, Pool, Slab, Workers, max_batch_nbytes
 from ._order import epoch_order, rank_part, rank_size, resolve_rank
 from ._run import AsyncIter, Run, Stats, clone, close_run
 
 __all__ = ["BudgetError", "Loader"]
-
-STATE_VERSION = 1
 
 
 class Loader:
@@ -107,6 +107,14 @@ class Loader:
     advances by one; ``set_epoch(e)`` with another epoch starts that one from
     its beginning (the current epoch: no change, so resuming and then calling
     ``set_epoch`` as torch code does keeps the position).
+
+    **Resuming at another world size.** Gather every rank's ``state_dict()``
+    (``torch.distributed.all_gather_object``) and save
+    :func:`merge_states` of them; the loaders of the new world (any size, any
+    batch size) each ``load_state_dict`` the merged state and split the
+    samples no rank handed out, in the epoch's shuffled order, between them;
+    ranks may have stopped at different points. See :func:`merge_states` for
+    what "exactly once" covers (padding and ``drop_last``).
 
     **Cancellation.** A consumer cancelled while it waits for a batch (a
     timeout around ``anext``) does not lose it: the reads go on, and the same
@@ -223,6 +231,7 @@ class Loader:
         self._files = FileCache(self.layout)
         self._epoch = 0
         self._position = 0
+        self._resumed: Phases = ()  # the epoch's earlier phases (elastic resume), none when it began here
         self._generation = 0  # bumped by set_epoch/load_state_dict: a running pass no longer moves the state
         self._active: Run | None = None
         self._stats = Stats()
@@ -232,18 +241,22 @@ class Loader:
 
     # -- order -------------------------------------------------------------------
 
-    def _part(self, epoch: int) -> np.ndarray[Any, Any]:
+    def _part(self, epoch: int, resumed: Phases = ()) -> np.ndarray[Any, Any]:
         order = epoch_order(self.layout.n, self.seed, epoch, self.shuffle)
+        if resumed:  # the rest of an epoch other ranks began: the samples none of them handed out
+            order = order[rest_index(self.layout.n, resumed, self.drop_last)]
         return rank_part(order, self.rank, self.world_size, self.drop_last)
 
-    def _prepare(self, epoch: int) -> np.ndarray[Any, Any]:
+    def _prepare(self, epoch: int, resumed: Phases = ()) -> np.ndarray[Any, Any]:
         for i in range(len(self.layout.files)):
             self.layout.check_unchanged(i)
-        return self._part(epoch)
+        return self._part(epoch, resumed)
 
     def samples_per_epoch(self) -> int:
-        """Samples this rank gets per epoch (before dropping an incomplete batch)."""
-        return rank_size(self.layout.n, self.world_size, self.drop_last)
+        """Samples this rank gets this epoch (before dropping an incomplete batch):
+        after an elastic resume, its part of the rest of the epoch."""
+        n = rest_count(self.layout.n, self._resumed, self.drop_last) if self._resumed else self.layout.n
+        return rank_size(n, self.world_size, self.drop_last)
 
     def __len__(self) -> int:
         """Batches per epoch for this rank."""
@@ -259,10 +272,13 @@ class Loader:
         if int(epoch) != self._epoch:
             self._epoch = int(epoch)
             self._position = 0
+            self._resumed = ()
             self._generation += 1
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the loader stands: epoch and samples of this rank's part handed out."""
+        """Where the loader stands: epoch and samples of this rank's part handed out
+        (and, after an elastic resume, the epoch's earlier phases: ``resumed``).
+        Plain ints, bools, lists and None: JSON and ``torch.save`` keep it."""
         return {
             "version": STATE_VERSION,
             "epoch": self._epoch,
@@ -273,22 +289,43 @@ class Loader:
             "rank": self.rank,
             "world_size": self.world_size,
             "samples": self.layout.n,
+            "resumed": phases_to_state(self._resumed),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state`` (from :meth:`state_dict`): the next batches hold
-        exactly the samples not yet handed out. The dataset, seed, shuffle,
-        drop_last, rank and world size must be those of the saved loader; the
-        batch size may differ."""
+        """Continue from ``state``: the next batches hold exactly the samples not yet handed out.
+
+        ``state`` is this rank's :meth:`state_dict` (same rank and world size),
+        or the states of every rank of another world size merged by
+        :func:`~aionvme.data.merge_states` (any rank, any world size). The
+        dataset, seed, shuffle and drop_last must be those of the saved
+        loaders; the batch size may differ. Raises :class:`LoaderStateError`
+        (a ``ValueError``) otherwise."""
+        if not isinstance(state, dict):
+            raise LoaderStateError(f"load_state_dict takes a state_dict() dict, got {type(state).__name__}")
+        v = state.get("version", 1)
+        if not isinstance(v, int) or v > STATE_VERSION:
+            raise LoaderStateError(f"state_dict version {v!r} is newer than this aionvme ({STATE_VERSION})")
         mine = self.state_dict()
-        for k in ("seed", "shuffle", "drop_last", "rank", "world_size", "samples"):
+        merged = state.get("rank") is None and state.get("world_size") is None
+        for k in ("seed", "shuffle", "drop_last", "samples") + (() if merged else ("world_size", "rank")):
             if state.get(k) != mine[k]:
-                raise ValueError(f"state_dict has {k}={state.get(k)!r}, this loader {mine[k]!r}")
+                hint = ""
+                if k == "world_size":
+                    hint = (
+                        ": to resume at another world size, load the states of all ranks "
+                        "merged by aionvme.data.merge_states(states)"
+                    )
+                raise LoaderStateError(f"state_dict has {k}={state.get(k)!r}, this loader {mine[k]!r}{hint}")
+        resumed = phases_of(state)
+        check_phases(self.layout.n, resumed, self.drop_last)
+        n = rest_count(self.layout.n, resumed, self.drop_last) if resumed else self.layout.n
         pos = int(state["position"])
-        if not 0 <= pos <= self.samples_per_epoch():
-            raise ValueError(f"state_dict position {pos} out of range")
+        if not 0 <= pos <= rank_size(n, self.world_size, self.drop_last) or (merged and pos):
+            raise LoaderStateError(f"state_dict position {pos} out of range")
         self._epoch = int(state["epoch"])
         self._position = pos
+        self._resumed = resumed
         self._generation += 1
 
     # -- iteration -----------------------------------------------------------------

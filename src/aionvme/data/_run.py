@@ -18,6 +18,7 @@ import numpy as np
 
 from .._runtime.background import cancel_at_exit, current
 from ._batch import BatchPlan
+from ._elastic import Phases
 from ._layout import FileCache, Layout
 from ._memory import Lent, Pool, Slab, warn_over_budget
 
@@ -52,6 +53,7 @@ class Loader(Protocol):
     transform: Callable[[dict[str, Any]], Any] | None
     _epoch: int
     _position: int
+    _resumed: Phases
     _generation: int
     _active: Run | None
     _stats: Stats
@@ -62,7 +64,7 @@ class Loader(Protocol):
     _slow_assembly: bool
     _warned: bool
 
-    def _prepare(self, epoch: int) -> np.ndarray[Any, Any]: ...
+    def _prepare(self, epoch: int, resumed: Phases) -> np.ndarray[Any, Any]: ...
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor: ...
     def _deliver(self, plan: BatchPlan, slab: Slab) -> tuple[dict[str, Any], Lent]: ...
 
@@ -74,6 +76,7 @@ class Run:
         self.loader = loader
         self.epoch = loader._epoch
         self.start = loader._position
+        self.resumed = loader._resumed  # the epoch's earlier phases (elastic resume)
         self.gen = loader._generation
         self.ready: asyncio.Queue[tuple[asyncio.Task[BatchPlan], Slab, int] | BaseException | None] | None = (
             None
@@ -111,7 +114,7 @@ class Run:
         if ld._stats.started is None:
             ld._stats.started = self.t0
         # off the loop: a permutation of 10M ids, a stat of every file (changed since the open?)
-        part = await asyncio.to_thread(ld._prepare, self.epoch)
+        part = await asyncio.to_thread(ld._prepare, self.epoch, self.resumed)
         self.ready = asyncio.Queue()
         self.producer = asyncio.get_running_loop().create_task(self._produce(part))
         # it may wait for the consumer forever: exit must not wait for it
@@ -295,6 +298,7 @@ class Run:
         if ld._generation == self.gen:
             ld._epoch += 1
             ld._position = 0
+            ld._resumed = ()
             ld._generation += 1
 
     def commit(self, lent: Lent) -> None:
