@@ -131,7 +131,7 @@ def key_from_json(s: object, tag: object) -> Hashable:
 
 
 def encode(rec: dict[str, Any]) -> bytes:
-    k = rec.get("k")
+    k = rec.get("k") if isinstance(rec, dict) else None  # (tests encode damaged records too)
     if k is not None and not isinstance(k, str):
         s, tag = key_to_json(k)
         rec = {**rec, "k": s, "kt": tag}  # "op" stays first (see _START)
