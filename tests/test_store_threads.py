@@ -230,5 +230,5 @@ def test_churn_ten_times_the_capacity_while_another_thread_reads(tmp_path, persi
         assert not errors, errors
         assert reads["hit"] > 0 and reads["miss"] > 0
         assert len(s.drain_evicted()) > 0
-        for k in s.aio.keys():
+        for k in list(s.aio):
             assert np.array_equal(s.get(k), block(k, sizes[k]))

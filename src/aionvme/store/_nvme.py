@@ -116,6 +116,9 @@ class Slab:
                 size = fixed
         except BaseException:
             self.file.close()
+            if create:  # a slab made here that cannot take its size (ENOSPC) is not left behind
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
             raise
         self.alloc = ExtentAllocator(size - size % ALIGN)
         self.opened_size = size  # what an index rebuilt at open may point into
