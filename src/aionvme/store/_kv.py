@@ -189,6 +189,7 @@ class Evictor:
         victims: list[Entry] = []
         freed = 0
         gone: list[Hashable] = []
+        journaled = self.journal is not None
         with self.pins.lock:
             for k in self.lru:
                 e = self.index.get(k)
@@ -200,7 +201,9 @@ class Evictor:
                     ext is None
                     or e.busy()
                     or e.replaced is not None
-                    or k in self.queues  # a put or delete of it is under way: journal order
+                    # a put or delete of it is under way: its journal record
+                    # could precede the delete's (a scratch store has none)
+                    or (journaled and k in self.queues)
                     or any(x[0] < 0 for x in ext)  # attached: its file is not the tier's space
                 ):
                     continue
