@@ -161,6 +161,23 @@ async def test_a_deleted_pinned_value_keeps_its_bytes_until_the_last_unpin(tmp_p
         assert s._nvme.used == 0
 
 
+async def test_a_put_moves_the_pins_of_its_key_to_the_new_value(tmp_path):
+    async with TieredStore(tmp_path, host=0, nvme=512 * KiB, on_full="evict") as s:
+        for k in range(8):
+            await s.put(k, block(k))
+        s.pin([0])
+        await s.put(0, block("new 0"))  # replaced while pinned
+        for k in range(8, 24):
+            await s.put(k, block(k))
+        assert 0 in s and 0 not in s.drain_evicted()
+        assert np.array_equal(await s.get(0), block("new 0"))
+        assert s._nvme.used <= 512 * KiB
+        s.unpin([0])
+        for k in range(24, 32):
+            await s.put(k, block(k))
+        assert 0 in s.drain_evicted()
+
+
 # -- cache mode -----------------------------------------------------------------------------
 
 

@@ -60,8 +60,9 @@ def key_list(keys: Iterable[Hashable], what: str) -> list[Hashable]:
 
 class PinTable:
     """``store.pin`` / ``store.unpin``: per key, the entries its pins hold
-    (oldest first: a key replaced while pinned keeps its old value's pins),
-    and the keys cache-mode eviction dropped since ``drain``."""
+    (oldest first; a put moves them to the key's new value, a delete leaves
+    them on the deleted one, whose bytes stay until they go), and the keys
+    cache-mode eviction dropped since ``drain``."""
 
     def __init__(
         self, mover: Mover, index: dict[Hashable, Entry], loop: Callable[[], asyncio.AbstractEventLoop | None]
@@ -72,6 +73,23 @@ class PinTable:
         self.loop = loop
         self.by_key: dict[Hashable, list[Entry]] = {}
         self.evicted: list[Hashable] = []
+        mover.handover = self.handover
+
+    def handover(self, old: Entry, new: Entry) -> None:
+        """A put replaced a key's value: its pins now hold the new value (a
+        load of a pinned key after the put finds it), and the old one is
+        freed once its readers are done."""
+        with self.lock:
+            held = self.by_key.get(old.key)
+            if not held:
+                return
+            n = 0
+            for i, e in enumerate(held):
+                if e is old:
+                    held[i] = new
+                    n += 1
+            old.pins -= n
+            new.pins += n
 
     def pin(self, keys: list[Hashable]) -> list[bool]:
         out: list[bool] = []
