@@ -11,7 +11,10 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from _fuzz import fuzz_settings
 from aionvme.store import (
     StoreFullError,
     StoreKeyError,
@@ -289,3 +292,76 @@ async def test_write_behind_of_a_scratch_cache_stays_bounded(tmp_path):
             if v is not None:
                 assert np.array_equal(v, block(k))
         assert set(s.drain_evicted()) == set(range(64)) - set(present)
+
+
+# -- a property: pins, puts, deletes and evictions against a model -------------------------
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["put", "put", "put", "pin", "unpin", "delete", "get"]),
+        st.integers(0, 9),
+        st.sampled_from([4 * KiB, 16 * KiB, 60 * KiB]),
+    ),
+    max_size=40,
+)
+
+
+@fuzz_settings(60)
+@given(ops=OPS)
+def test_pins_and_evictions_follow_a_model(tmp_path_factory, ops):
+    """A cache of 256 KiB under random puts, pins, unpins, deletes and gets:
+    a value whose key is pinned (pins taken while it was present, or moved to
+    it by a put) is never evicted; pin says whether the key is present; unpin
+    past zero is an error; every present key reads back its last value; the
+    slab never takes more than the capacity."""
+    cap = 256 * KiB
+    present: dict[int, tuple[int, int]] = {}  # key -> (version, size) of its value
+    life: dict[int, int] = {}  # key -> its current life (a delete or eviction ends one)
+    pins: dict[int, list[int]] = {}  # key -> the life each pin was taken in, oldest first
+    version = 0
+    with SyncTieredStore(tmp_path_factory.mktemp("p"), host=0, nvme=cap, on_full="evict") as s:
+        for op, k, n in ops:
+            if op == "put":
+                version += 1
+                try:
+                    s.put(k, block((k, version), n))
+                except StoreFullError:
+                    pass  # everything else is pinned: the key is as it was
+                else:
+                    if k not in present:
+                        life[k] = life.get(k, 0) + 1
+                    present[k] = (version, n)
+            elif op == "pin":
+                assert s.pin([k]) == [k in present]
+                if k in present:
+                    pins.setdefault(k, []).append(life[k])
+            elif op == "unpin":
+                if pins.get(k):
+                    s.unpin([k])
+                    pins[k].pop(0)
+                else:
+                    with pytest.raises(StorePinError):
+                        s.unpin([k])
+            elif op == "delete":
+                if k in present:
+                    s.delete(k)
+                    del present[k]
+                else:
+                    with pytest.raises(StoreKeyError):
+                        s.delete(k)
+            else:
+                got = s.get_many([k], missing="skip")[0]
+                assert (got is None) == (k not in present)
+                if got is not None:
+                    assert np.array_equal(got, block((k, present[k][0]), present[k][1]))
+            for gone in s.drain_evicted():
+                assert gone in present
+                assert life[gone] not in pins.get(gone, []), f"pinned key {gone} was evicted"
+                del present[gone]
+            assert disk_bytes(s.aio) <= cap
+        assert sorted(s.aio.keys()) == sorted(present)
+        for k, (v, n) in present.items():
+            assert np.array_equal(s.get(k), block((k, v), n))
+        for k, held in pins.items():
+            s.unpin([k] * len(held))
+        assert s.aio._pins.by_key == {}
