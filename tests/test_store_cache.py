@@ -7,7 +7,6 @@ slab files. Calls from other threads: tests/test_store_threads.py."""
 from __future__ import annotations
 
 import asyncio
-import os
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from _fuzz import fuzz_settings
+from _kvblocks import KiB, MiB, block, disk_bytes, nvme_for
 from aionvme.store import (
     StoreFullError,
     StoreKeyError,
@@ -23,20 +23,6 @@ from aionvme.store import (
     SyncTieredStore,
     TieredStore,
 )
-
-KiB = 1 << 10
-MiB = 1 << 20
-
-
-def block(key: object, n: int = 64 * KiB) -> np.ndarray:
-    """The bytes of a KV block: distinct per key and size."""
-    seed = abs(hash(repr(key))) % (1 << 32)
-    return np.random.default_rng(seed + n).integers(0, 256, n, dtype=np.uint8)
-
-
-def disk_bytes(store: TieredStore) -> int:
-    """What the slab files take on disk (st_blocks), not their apparent size."""
-    return sum(os.stat(s.path).st_blocks * 512 for s in store._nvme.slabs)
 
 
 def crash(s: SyncTieredStore) -> None:
@@ -165,7 +151,7 @@ async def test_a_deleted_pinned_value_keeps_its_bytes_until_the_last_unpin(tmp_p
 
 
 async def test_a_put_moves_the_pins_of_its_key_to_the_new_value(tmp_path):
-    async with TieredStore(tmp_path, host=0, nvme=512 * KiB, on_full="evict") as s:
+    async with TieredStore(tmp_path, host=0, nvme=nvme_for(512 * KiB), on_full="evict") as s:
         for k in range(8):
             await s.put(k, block(k))
         s.pin([0])
@@ -193,7 +179,7 @@ def test_cache_mode_checks_its_settings(tmp_path):
 
 @pytest.mark.parametrize("persist", [False, True])
 async def test_a_full_tier_drops_its_coldest_values_and_never_grows(tmp_path, persist):
-    cap = 1 * MiB
+    cap = nvme_for(1 * MiB)
     async with TieredStore(tmp_path, host=0, nvme=cap, on_full="evict", persist=persist) as s:
         for k in range(16):  # 16 blocks of 64 KiB fill it
             await s.put(k, block(k))
@@ -209,12 +195,12 @@ async def test_a_full_tier_drops_its_coldest_values_and_never_grows(tmp_path, pe
             assert np.array_equal(await s.get(k), block(k))
         assert s.stats()["nvme"]["evictions"] == 4
         with pytest.raises(StoreFullError):
-            await s.put("huge", np.zeros(cap + 4096, np.uint8))
+            await s.put("huge", np.zeros(MiB + 4096, np.uint8))
         assert len(s) == 16
 
 
 async def test_pinned_and_held_values_are_never_dropped(tmp_path):
-    async with TieredStore(tmp_path, host=64 * KiB, nvme=512 * KiB, on_full="evict") as s:
+    async with TieredStore(tmp_path, host=64 * KiB, nvme=nvme_for(512 * KiB), on_full="evict") as s:
         for k in range(8):
             await s.put(k, block(k), to="nvme")
         assert s.pin([0, 1]) == [True, True]
@@ -232,7 +218,7 @@ async def test_pinned_and_held_values_are_never_dropped(tmp_path):
 
 
 async def test_when_everything_is_pinned_a_put_raises_full(tmp_path):
-    async with TieredStore(tmp_path, host=0, nvme=256 * KiB, on_full="evict") as s:
+    async with TieredStore(tmp_path, host=0, nvme=nvme_for(256 * KiB), on_full="evict") as s:
         for k in range(4):
             await s.put(k, block(k))
         s.pin(range(4))  # type: ignore[arg-type]
@@ -246,12 +232,12 @@ async def test_when_everything_is_pinned_a_put_raises_full(tmp_path):
 
 async def test_dropped_keys_are_journaled_as_deletes(tmp_path):
     d = tmp_path / "s"
-    s = SyncTieredStore(d, host=0, nvme=512 * KiB, on_full="evict", persist=True)
+    s = SyncTieredStore(d, host=0, nvme=nvme_for(512 * KiB), on_full="evict", persist=True)
     for k in range(12):
         s.put(k, block(k))
     assert s.drain_evicted() == [0, 1, 2, 3]
     crash(s)  # the journal only: its delete records must hold
-    s = SyncTieredStore(d, host=0, nvme=512 * KiB, on_full="evict", persist=True)
+    s = SyncTieredStore(d, host=0, nvme=nvme_for(512 * KiB), on_full="evict", persist=True)
     try:
         assert sorted(s.keys()) == list(range(4, 12))
         for k in range(4, 12):
@@ -263,7 +249,7 @@ async def test_dropped_keys_are_journaled_as_deletes(tmp_path):
 
 
 async def test_cache_mode_compacts_when_free_space_is_in_pieces(tmp_path):
-    async with TieredStore(tmp_path, host=0, nvme=MiB, on_full="evict") as s:
+    async with TieredStore(tmp_path, host=0, nvme=nvme_for(MiB), on_full="evict") as s:
         for k in range(16):
             await s.put(k, block(k))
         for k in range(0, 16, 2):

@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 
+from _kvblocks import KiB, MiB, block, disk_bytes
 from aionvme.store import (
     OutBufferError,
     StoreClosedError,
@@ -22,18 +23,6 @@ from aionvme.store import (
     SyncTieredStore,
     TieredStore,
 )
-
-KiB = 1 << 10
-MiB = 1 << 20
-
-
-def block(key: object, n: int = 64 * KiB) -> np.ndarray:
-    seed = abs(hash(repr(key))) % (1 << 32)
-    return np.random.default_rng(seed + n).integers(0, 256, n, dtype=np.uint8)
-
-
-def disk_bytes(s: SyncTieredStore) -> int:
-    return sum(os.stat(slab.path).st_blocks * 512 for slab in s.aio._nvme.slabs)
 
 
 def wait_count(fd: int, want: int, timeout: float = 60.0) -> int:
@@ -230,5 +219,7 @@ def test_churn_ten_times_the_capacity_while_another_thread_reads(tmp_path, persi
         assert not errors, errors
         assert reads["hit"] > 0 and reads["miss"] > 0
         assert len(s.drain_evicted()) > 0
-        for k in list(s.aio):
-            assert np.array_equal(s.get(k), block(k, sizes[k]))
+        # (write-behind may still drop a key meanwhile: a miss, never other bytes)
+        keys = list(s.aio)
+        for k, v in zip(keys, s.get_many(keys, missing="skip")):
+            assert v is None or np.array_equal(v, block(k, sizes[k]))

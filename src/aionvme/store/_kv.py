@@ -34,20 +34,31 @@ __all__ = ["Evictor", "Jobs", "PinTable", "key_list"]
 T = TypeVar("T")
 
 
+# Part of each slab kept for the filesystem's own blocks of the file, which
+# st_blocks counts: ext4's extent tree grows as writes split the
+# preallocated (unwritten) extents, one 4 KiB block per 340 extents, at worst
+# one extent per 4 KiB page (a 1 GiB slab takes one such block at once;
+# 2000 random 4 KiB writes into a 256 MiB one took 13).
+FS_RESERVE = 256  # 1/256 of the slab (at least a page)
+
+
 def cache_capacity(on_full: str, given: object, nvme: int | None, ndirs: int) -> int | None:
-    """The NVMe tier's capacity for ``on_full`` (checked): in cache mode
-    ``nvme=`` is required, and rounded down to whole pages per directory
-    (the tier never exceeds it)."""
+    """The NVMe tier's capacity for ``on_full`` (checked). In cache mode
+    ``nvme=`` is required and bounds what the slab files take on disk: each
+    slab gets its share, less FS_RESERVE for the filesystem's blocks of it,
+    in whole pages."""
     if on_full not in ("raise", "evict"):
         raise ValueError(f"on_full must be 'raise' or 'evict', got {on_full!r}")
     if on_full == "raise":
         return nvme
     if nvme is None:
         raise ValueError("on_full='evict' needs the NVMe tier's capacity (nvme=)")
-    nvme -= nvme % (ALIGN * ndirs)
-    if nvme <= 0:
-        raise ValueError(f"nvme={given!r} is less than a page per directory")
-    return nvme
+    per = nvme // ndirs
+    per -= max(ALIGN, round_up(per // FS_RESERVE))
+    per -= per % ALIGN
+    if per <= 0:
+        raise ValueError(f"nvme={given!r} is less than two pages per directory")
+    return per * ndirs
 
 
 def key_list(keys: Iterable[Hashable], what: str) -> list[Hashable]:
