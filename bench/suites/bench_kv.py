@@ -4,7 +4,8 @@
 Workloads (GB/s, 1 GB = 1e9 bytes), all in one run, on one directory:
 
   fio      sequential read, bs 1M, QD 32, libaio, O_DIRECT: the device's
-           practical ceiling, measured first in the same run
+           practical ceiling, measured before and after the grid in the same
+           run (the ratios use their mean)
   load     blocks of each size (0.5-32 MiB: one KV block or chunk each),
            ``--total`` bytes of them stored, the page cache dropped, then
            loaded in batches of 1..128 through SyncTieredStore.submit_get_many
@@ -59,7 +60,12 @@ def main(argv: list[str] | None = None) -> int:
         got = kv.run_kv(d, sizes, batches, parse_size(a.total), parse_size(a.churn), parse_size(a.fio_size))
     fio = got["fio_GBps"]
     print(f"machine: {platform.node()} ({os.cpu_count()} CPUs), directory {parent}")
-    print(f"fio seq read bs 1M QD 32: {fio:.2f} GB/s" if fio else "fio: not installed (no ratio)")
+    if fio:
+        b, a2 = got["fio_before_after_GBps"]
+        print(f"fio seq read bs 1M QD 32: {fio:.2f} GB/s (mean of {b:.2f} before, {a2:.2f} after)")
+    else:
+        print("fio: not installed (no ratio)")
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
     rows = []
     stores = {(r["size"], r["batch"]): r for r in got["stores"]}
     for r in got["loads"]:

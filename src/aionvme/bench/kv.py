@@ -321,16 +321,28 @@ def run_kv(
     fio_size: int,
     hit_calls: int = 2000,
 ) -> dict[str, Any]:
-    """Every part of the workload, blocking (see :func:`kv_workload`)."""
-    fio_gbps = fio_seqread(os.path.join(workdir, "fio.bin"), fio_size)
+    """Every part of the workload, blocking (see :func:`kv_workload`). fio
+    runs before and after the loads (``fio_GBps`` is their mean, both are
+    kept): on a shared machine the device's rate drifts during a run."""
+    fio_path = os.path.join(workdir, "fio.bin")
+    before = fio_seqread(fio_path, fio_size)
     cap = 2 * (total + max(sizes)) + 64 * MiB  # a point's blocks fit; the next point's evict them
     with SyncTieredStore(os.path.join(workdir, "kv"), host=0, nvme=cap, on_full="evict") as s:
         load, store = store_fns(s)
         stores = time_stores(store, sizes, batches, total=total)
         loads = time_loads(load, store, sizes, batches, total=total)
+    after = fio_seqread(fio_path, fio_size)
+    fio_gbps = None if before is None or after is None else (before + after) / 2
     ch = churn(os.path.join(workdir, "churn"), churn_capacity, sizes)
     hit = host_hit_us(os.path.join(workdir, "hit"), calls=hit_calls)
-    return {"fio_GBps": fio_gbps, "loads": loads, "stores": stores, "churn": ch, "hit": hit}
+    return {
+        "fio_GBps": fio_gbps,
+        "fio_before_after_GBps": [before, after],
+        "loads": loads,
+        "stores": stores,
+        "churn": ch,
+        "hit": hit,
+    }
 
 
 async def kv_workload(ctx: Any) -> Result:
