@@ -61,6 +61,21 @@ def test_str_bytes_int_keys_persist_with_their_type(tmp_path, reopen):
         assert s.contains(1) and s.contains("1") and s.contains(b"1") and not s.contains(b"\x00\xff")
 
 
+def test_typed_keys_survive_the_journal_folding_into_snapshots(tmp_path):
+    s = SyncTieredStore(tmp_path, host=0, nvme=nvme_for(MiB), on_full="evict", persist=True)
+    s.aio._journal.snapshot_records = 5  # fold every few records (from the files, on the commit thread)
+    for k in range(24):  # 16 fit: the first 8 are dropped, journaled as deletes
+        s.put(k if k % 2 else k.to_bytes(2, "big"), block(k, 64 * KiB))
+    assert len(s.drain_evicted()) == 8
+    crash(s)
+    assert b'"typed"' in (tmp_path / "aionvme-store.index").read_bytes()  # folded at least once
+    with SyncTieredStore(tmp_path, host=0, nvme=nvme_for(MiB), on_full="evict", persist=True) as s:
+        want = {k if k % 2 else k.to_bytes(2, "big"): k for k in range(8, 24)}
+        assert sorted(map(repr, s.keys())) == sorted(map(repr, want))
+        for key, k in want.items():
+            assert np.array_equal(s.get(key), block(k, 64 * KiB))
+
+
 def test_a_store_of_str_keys_keeps_format_2(tmp_path):
     with SyncTieredStore(tmp_path, host="64K", persist=True) as s:
         s.put("a", block("a", 4 * KiB))
