@@ -223,3 +223,20 @@ def test_churn_ten_times_the_capacity_while_another_thread_reads(tmp_path, persi
         keys = list(s.aio)
         for k, v in zip(keys, s.get_many(keys, missing="skip")):
             assert v is None or np.array_equal(v, block(k, sizes[k]))
+
+
+def test_a_forked_child_cannot_submit_to_its_parents_store(tmp_path):
+    with SyncTieredStore(tmp_path, host="256K") as s:
+        s.put("a", block("a"))
+        pid = os.fork()
+        if pid == 0:  # the child: its parent's loop thread is not here
+            code = 1
+            try:
+                s.submit_get_many(["a"])
+            except StoreClosedError:
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.WEXITSTATUS(status) == 0
+        assert np.array_equal(s.submit_get_many(["a"]).result(30)[0], block("a"))

@@ -293,6 +293,7 @@ class Jobs:
         self.closed = False
         self.futures: set[concurrent.futures.Future[Any]] = set()
         self._fd = -1
+        self.pid = os.getpid()  # a forked child's jobs would wait for a loop that is not there
 
     def fd(self) -> int:
         with self.lock:
@@ -306,9 +307,11 @@ class Jobs:
         self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]
     ) -> concurrent.futures.Future[T]:
         with self.lock:
-            if self.closed or loop.is_closed():
+            if self.closed or loop.is_closed() or os.getpid() != self.pid:
                 coro.close()
                 why = "the store is closed" if self.closed else "the store's event loop is closed"
+                if os.getpid() != self.pid:
+                    why = "the store belongs to the parent process (fork)"
                 raise StoreClosedError(why)
             fut = asyncio.run_coroutine_threadsafe(coro, loop)
             self.futures.add(fut)
