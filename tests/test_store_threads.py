@@ -240,3 +240,21 @@ def test_a_forked_child_cannot_submit_to_its_parents_store(tmp_path):
         _, status = os.waitpid(pid, 0)
         assert os.WEXITSTATUS(status) == 0
         assert np.array_equal(s.submit_get_many(["a"]).result(30)[0], block("a"))
+
+
+@pytest.mark.gpu
+def test_loads_into_gpu_memory_from_an_engine_thread(tmp_path):
+    """The engines' loads land in their GPU KV cache: out= CUDA tensors,
+    from the host tier and from NVMe, a miss left untouched."""
+    torch = pytest.importorskip("torch", reason="loads into GPU memory need torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (loads into GPU memory; bench/gpu_check.sh runs the gpu tests)")
+    n = 256 * KiB
+    with SyncTieredStore(tmp_path, host="512K", nvme="4M", on_full="evict") as s:
+        for k in range(8):  # the last ones in host memory, the first only on NVMe
+            s.submit_put_many({k: torch.from_numpy(block(k, n))}).result(60)
+        outs = [torch.full((n,), 7, dtype=torch.uint8, device="cuda") for _ in range(3)]
+        assert s.submit_get_many([0, 99, 7], out=outs, missing="skip").result(60) == [True, False, True]
+        assert torch.equal(outs[0].cpu(), torch.from_numpy(block(0, n)))
+        assert bool((outs[1] == 7).all())
+        assert torch.equal(outs[2].cpu(), torch.from_numpy(block(7, n)))
