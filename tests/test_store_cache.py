@@ -366,3 +366,15 @@ def test_pins_and_evictions_follow_a_model(tmp_path_factory, ops):
         for k, held in pins.items():
             s.unpin([k] * len(held))
         assert s.aio._pins.by_key == {}
+
+
+async def test_a_value_no_slab_can_hold_drops_nothing(tmp_path):
+    """Two directories of 512 KiB each: a 768 KiB value (one piece: below
+    the stripe size) fits no slab, whatever is dropped."""
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    async with TieredStore(dirs, host=0, nvme=nvme_for(MiB), on_full="evict", stripe="4M") as s:
+        for k in range(8):
+            await s.put(k, block(k))
+        with pytest.raises(StoreFullError, match="larger"):
+            await s.put("big", block("big", 768 * KiB))
+        assert s.drain_evicted() == [] and len(s) == 8
