@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from _fuzz import fuzz_settings
 from _kvblocks import KiB, MiB, block, disk_bytes, nvme_for
 from aionvme.store import (
+    OutBufferError,
     StoreFullError,
     StoreKeyError,
     StoreKeyTypeError,
@@ -115,6 +116,29 @@ async def test_get_many_skip_fills_what_is_there_and_leaves_the_rest(tmp_path):
         with pytest.raises(ValueError, match="missing"):
             await s.get_many([1], missing="ignore")
         assert await s.get_many([], missing="skip") == []
+        # a wrong buffer anywhere: a typed error before any buffer is filled
+        outs = [np.full(64 * KiB, 7, np.uint8), np.full(10, 7, np.uint8)]
+        with pytest.raises(OutBufferError):
+            await s.get_many([1, 4], out=outs, missing="skip")
+        assert (outs[0] == 7).all()
+
+
+async def test_a_batch_of_host_hits_mixed_with_nvme_reads_and_misses(tmp_path):
+    async with TieredStore(tmp_path, host=MiB, nvme=nvme_for(4 * MiB), on_full="evict") as s:
+        for k in range(8):
+            await s.put(k, block(k), to="nvme" if k % 2 else None)  # odd keys only on NVMe
+        before = s.stats()["host"]["hits"]
+        keys = [7, 0, 100, 2, 5, 4, 6, 3, 1, 101]
+        outs = [np.zeros(64 * KiB, np.uint8) for _ in keys]
+        got = await s.get_many(keys, out=outs, missing="skip")
+        assert got == [k < 100 for k in keys]
+        for k, o in zip(keys, outs):
+            assert np.array_equal(o, block(k)) if k < 100 else not o.any()
+        assert s.stats()["host"]["hits"] - before == 4  # the even keys, from host memory
+        vals = await s.get_many(keys, missing="skip")  # fresh results: copies the caller owns
+        for k, v in zip(keys, vals):
+            assert v is None if k >= 100 else np.array_equal(v, block(k))
+        assert not np.shares_memory(vals[1], s._host.arena)
 
 
 def test_count_prefix_and_contains(tmp_path):
