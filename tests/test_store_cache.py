@@ -402,3 +402,30 @@ async def test_a_value_no_slab_can_hold_drops_nothing(tmp_path):
         with pytest.raises(StoreFullError, match="larger"):
             await s.put("big", block("big", 768 * KiB))
         assert s.drain_evicted() == [] and len(s) == 8
+
+
+async def test_a_large_batch_of_host_hits_lets_the_loop_run_between_slices(tmp_path):
+    """64 host hits of 1 MiB (each small enough to copy on the loop's
+    thread): the copies are cut into slices with the loop's other callbacks
+    between them, not one 64 MiB stall."""
+    async with TieredStore(tmp_path, host=80 * MiB, nvme=nvme_for(128 * MiB), on_full="evict") as s:
+        for k in range(64):
+            await s.put(k, block(k % 4, MiB))
+        outs = [np.empty(MiB, np.uint8) for _ in range(64)]
+        ticks = 0
+        stop = False
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while not stop:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        t = asyncio.get_running_loop().create_task(ticker())
+        await asyncio.sleep(0)
+        start = ticks
+        assert await s.get_many(range(64), out=outs, missing="skip") == [True] * 64
+        stop = True
+        await t
+        assert ticks - start >= 8  # 64 MiB in 4 MiB slices
+        assert all(np.array_equal(outs[k], block(k % 4, MiB)) for k in (0, 33, 63))

@@ -18,6 +18,10 @@ from ._values import check_out
 
 __all__ = ["KVCalls"]
 
+# host hits copied on the loop's thread between two suspensions (about a
+# millisecond of memcpy here): a batch of large hits never stalls the loop
+YIELD_EVERY = 4 << 20
+
 
 class KVCalls:
     """Part of :class:`TieredStore` (its attributes are the store's)."""
@@ -120,12 +124,17 @@ class KVCalls:
             if device == "cpu":
                 hit_now = self._reads.hit_now
                 rest = []
+                copied = 0
                 for j, e in enumerate(entries):
+                    if copied >= YIELD_EVERY:  # the loop's other callbacks run between slices
+                        copied = 0
+                        await asyncio.sleep(0)
                     v = hit_now(e, None if outs is None else outs[j])
                     if v is None:
                         rest.append(j)
                     else:
                         got[j] = v
+                        copied += e.nbytes
             if rest:
                 later = None if outs is None else [outs[j] for j in rest]
                 more = await self._reads.get_many([keys[found[j]] for j in rest], device, later, deadline)
