@@ -23,6 +23,7 @@ SGLang is imported only here (``import aionvme`` never loads it).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import os
@@ -37,14 +38,17 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
 )
+from sglang.srt.utils.common import human_readable_int
 
-from .. import defaults
+from ..exceptions import InvalidSettingError
 from ..memory import empty
 from ..store import CorruptValueError, StoreError, SyncTieredStore
 
 __all__ = ["AionvmeHiCache"]
 
 logger = logging.getLogger(__name__)
+
+STAGING_KEPT = 64 << 20  # bytes of staging pages a thread keeps between calls
 
 
 @dataclass
@@ -64,6 +68,29 @@ def _storage_metrics() -> Any:
     except ImportError:
         return _Metrics()
     return StorageMetrics()
+
+
+def _max_size(value: Any) -> int:
+    """``max_size`` read as HiCacheFile reads it (SGLang's units: "500G" is
+    500e9 bytes, "500Gi" 500 GiB; an int is bytes), but required and checked."""
+    if value is None:
+        raise InvalidSettingError(
+            "AionvmeHiCache needs max_size in the backend's extra config (bytes, '500G' or '500Gi')",
+            name="max_size",
+        )
+    try:
+        n = (
+            value
+            if isinstance(value, int) and not isinstance(value, bool)
+            else human_readable_int(str(value))
+        )
+    except (ValueError, argparse.ArgumentTypeError) as err:  # what human_readable_int raises
+        raise InvalidSettingError(
+            f"max_size {value!r} is not a size: {err}", name="max_size", value=value
+        ) from err
+    if n <= 0:
+        raise InvalidSettingError(f"max_size must be positive, got {value!r}", name="max_size", value=value)
+    return int(n)
 
 
 def _namespace(cfg: HiCacheStorageConfig) -> str:
@@ -92,7 +119,9 @@ class AionvmeHiCache(HiCacheStorage):  # type: ignore[misc]  # SGLang's class is
         Directory on the NVMe drive (default ``/tmp/hicache``); each rank's
         store lives in a subdirectory named after the model and the rank.
     max_size : int or str
-        Most bytes the tier keeps on disk (``"500G"``), preallocated. Required.
+        Most bytes the tier keeps on disk, preallocated; required. In SGLang's
+        units, as HiCacheFile reads it: ``"500G"`` is 500e9 bytes, ``"500Gi"``
+        500 GiB.
     host : int or str
         A host-memory tier of the store in front of NVMe (default 0: SGLang's
         host pool already is the host tier).
@@ -110,8 +139,7 @@ class AionvmeHiCache(HiCacheStorage):  # type: ignore[misc]  # SGLang's class is
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
         extra = dict(storage_config.extra_config or {})
         extra.update(kwargs or {})
-        if extra.get("max_size") is None:
-            raise ValueError("AionvmeHiCache needs max_size in the backend's extra config (bytes or '500G')")
+        cap = _max_size(extra.get("max_size"))
         root = os.environ.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR") or extra.get(
             "file_storage_path", "/tmp/hicache"
         )
@@ -121,7 +149,7 @@ class AionvmeHiCache(HiCacheStorage):  # type: ignore[misc]  # SGLang's class is
         self.store = SyncTieredStore(
             self.path,
             host=extra.get("host", 0),
-            nvme=defaults.parse_size(extra["max_size"], "max_size"),
+            nvme=cap,
             persist=bool(extra.get("persist", False)),
             on_full="evict",
             checksum=True,
@@ -129,6 +157,7 @@ class AionvmeHiCache(HiCacheStorage):  # type: ignore[misc]  # SGLang's class is
         self._metrics_on = bool(storage_config.enable_storage_metrics)
         self._mlock = threading.Lock()
         self._metrics = _Metrics()
+        self._stage = threading.local()  # each SGLang thread's staging pages
 
     # -- presence --------------------------------------------------------------------------
 
@@ -159,7 +188,7 @@ class AionvmeHiCache(HiCacheStorage):  # type: ignore[misc]  # SGLang's class is
         # staging page, then copied into the pool
         staged = [i for i, o in enumerate(outs) if o is None]
         if staged:
-            stage = empty((len(staged), pages[staged[0]].numel()), dtype=pages[staged[0]].dtype, like="torch")
+            stage = self._staging(len(staged), pages[staged[0]].numel(), pages[staged[0]].dtype)
             for j, i in enumerate(staged):
                 outs[i] = stage[j]
         t0 = time.perf_counter()
@@ -184,6 +213,16 @@ class AionvmeHiCache(HiCacheStorage):  # type: ignore[misc]  # SGLang's class is
         ok = self._write(values)
         self._note(False, [ok] * len(values), list(values.values()), t0)
         return [ok or k not in values for k in keys]
+
+    def _staging(self, n: int, numel: int, dtype: Any) -> Any:
+        """n aligned staging pages, kept per thread up to STAGING_KEPT bytes
+        (a fresh mmap each call would be faulted in, page by page, by the read)."""
+        buf = getattr(self._stage, "buf", None)
+        if buf is None or buf.dtype != dtype or buf.numel() < n * numel:
+            buf = empty(n * numel, dtype=dtype, like="torch")
+            if buf.numel() * buf.element_size() <= STAGING_KEPT:
+                self._stage.buf = buf
+        return buf[: n * numel].view(n, numel)
 
     # -- the per-page calls (the generic path, and SGLang's own tests) --------------------------
 
