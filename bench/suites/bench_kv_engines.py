@@ -19,14 +19,17 @@ reads it through an aligned staging page) or, with ``--pool mla``, MLA
 page-first (a page is contiguous: read in place). Loads start from a cold
 page cache (dropped as root; each side's files evicted). Stores are timed
 until the bytes are written: the O_DIRECT sides at completion; HiCacheFile
-writes through the page cache, so its stores include an ``os.sync()``.
+writes through the page cache, so its stores include an fdatasync of each
+of its files.
 CPU per GB is the process's user+sys time (getrusage: every thread of the
 side) over the bytes moved; fio's is its own. torch runs one intra-op
 thread (``--torch-threads``): on a shared 2-core machine its parallel copies
 of a page (both SGLang sides copy pages with torch) wait milliseconds for a
 second thread. fio: sequential read, bs 1M,
 QD 32, libaio, O_DIRECT, in the same run (before and after the points;
-the median is the reference). Every block loaded is checked.
+the median is the reference). Every block loaded is checked. With
+``--repeat N`` each point runs N times, the sides taking turns to go first,
+and each figure is the median.
 
     python3 bench/suites/bench_kv_engines.py --quick
     python3 bench/suites/bench_kv_engines.py --sizes 512K,2M,8M,32M --batches 1,8,32,128 --total 256M
@@ -294,8 +297,13 @@ def measure(
 
     def stored() -> None:
         store()
-        if sync:
-            os.sync()
+        if sync:  # written through the page cache: timed until the bytes are on the device
+            for path in files_under(d):
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fdatasync(fd)
+                finally:
+                    os.close(fd)
 
     sw, sc = timed(stored)
     cold(d)
@@ -330,6 +338,7 @@ def main() -> None:
     p.add_argument("--engines", default="vllm,sglang")
     p.add_argument("--pool", default="mha", choices=("mha", "mla"), help="SGLang host pool layout")
     p.add_argument("--quick", action="store_true", help="a few small points: proves it runs")
+    p.add_argument("--repeat", type=int, default=1, help="runs per point (median; sides alternate)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--torch-threads", type=int, default=1, help="torch.set_num_threads (0: leave it)")
     a = p.parse_args()
@@ -353,17 +362,22 @@ def main() -> None:
                     if batch * size > cap:
                         continue
                     rounds = max(1, total // (batch * size))
-                    for side in ("own", "aionvme"):
-                        d = os.path.join(root, f"{eng}-{side}")
-                        os.makedirs(d)
-                        try:
-                            if eng == "vllm":
-                                r = vllm_point(side, d, size, batch, rounds)
-                            else:
-                                r = sglang_point(side, d, size, batch, rounds, a.pool)
-                        finally:
-                            shutil.rmtree(d, ignore_errors=True)
-                        results.append({"engine": eng, "side": side, "size": size, "batch": batch, **r})
+                    runs: dict[str, list[dict[str, Any]]] = {"own": [], "aionvme": []}
+                    for rep in range(a.repeat):  # the sides take turns going first
+                        for side in ("own", "aionvme")[:: 1 if rep % 2 == 0 else -1]:
+                            d = os.path.join(root, f"{eng}-{side}")
+                            os.makedirs(d)
+                            try:
+                                if eng == "vllm":
+                                    r = vllm_point(side, d, size, batch, rounds)
+                                else:
+                                    r = sglang_point(side, d, size, batch, rounds, a.pool)
+                            finally:
+                                shutil.rmtree(d, ignore_errors=True)
+                            runs[side].append(r)
+                    for side, rs in runs.items():
+                        med = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
+                        results.append({"engine": eng, "side": side, "size": size, "batch": batch, **med})
                         print(json.dumps(results[-1]), flush=True)
         fios += [f for f in [fio_read(root, max(total, 256 << 20))] if f]
     finally:
