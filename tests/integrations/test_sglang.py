@@ -314,3 +314,35 @@ def test_sglangs_threads_may_call_at_once(tmp_path: Path) -> None:
             )
     finally:
         b.close()
+
+
+def test_max_size_is_read_in_sglangs_units(tmp_path: Path) -> None:
+    """As HiCacheFile reads it: "8M" is 8e6 bytes, "8Mi" 8 MiB; nonsense is refused."""
+    from aionvme.exceptions import InvalidSettingError
+
+    for given, want in (("8M", 8_000_000), ("8Mi", 8 << 20), (1 << 24, 1 << 24)):
+        b = backend(tmp_path, max_size=given)
+        try:
+            assert abs(b.store.stats()["nvme"]["capacity"] - want) < 4096 * 2
+        finally:
+            b.close()
+    for bad in ("lots", "-5", 0):
+        with pytest.raises(InvalidSettingError, match="max_size"):
+            backend(tmp_path, max_size=bad)
+
+
+def test_persist_keeps_the_pages_across_a_restart(tmp_path: Path) -> None:
+    pool = MLAPool(64)
+    randomize(pool, 6)
+    want = pool.get_data_page(0).clone()
+    first = backend(tmp_path, pool, persist=True)
+    assert first.batch_set_v1(["h0"], pages(0)) == [True]
+    first.close()
+    pool.kv_buffer.zero_()
+    again = backend(tmp_path, pool, persist=True)
+    try:
+        assert again.batch_exists(["h0", "h1"]) == 1
+        assert again.batch_get_v1(["h0"], pages(32)) == [True]
+        assert torch.equal(pool.get_data_page(32), want)
+    finally:
+        again.close()

@@ -360,3 +360,28 @@ def test_end_to_end_under_vllms_tiering_manager(tmp_path: Path) -> None:
             assert torch.equal(mem[int(c)], data[k])
     finally:
         manager.shutdown()
+
+
+def test_persist_keeps_the_chunks_across_a_restart(tmp_path: Path) -> None:
+    """persist=True: block-hash keys (bytes) and their bytes come back in the next engine."""
+    mem = primary()
+    fill(mem, [0, 1], seed=8)
+    expected = mem[:2].clone()
+    first = make_tier(tmp_path, mem, persist=True)
+    first.submit_store(job(1, [key(1), key(2)], [0, 1]))
+    assert drain(first)[0].success
+    first.shutdown()
+    mem.zero_()
+    again = make_tier(tmp_path, mem, persist=True)
+    try:
+        assert again.path == first.path
+        assert [again.lookup(k, CTX) for k in (key(1), key(2), key(3))] == [
+            LookupResult.HIT,
+            LookupResult.HIT,
+            LookupResult.MISS,
+        ]
+        again.submit_load(job(2, [key(2), key(1)], [6, 7], load=True))
+        assert drain(again)[0].success
+        assert torch.equal(mem[6], expected[1]) and torch.equal(mem[7], expected[0])
+    finally:
+        again.shutdown()
