@@ -51,9 +51,9 @@ class KVCalls:
         """Pin each key's value (refcounted; from any thread, no loop needed):
         True where the key is present and now pinned, False where it is
         absent (not pinned). A pinned value is never dropped by cache-mode
-        eviction nor moved in its slab; a delete (or a put) of a pinned key
-        takes effect for later calls at once, and its old bytes are freed
-        when the last pin goes."""
+        eviction nor moved in its slab. A put of a pinned key moves its pins
+        to the new value; a delete takes effect for later calls at once (gets
+        miss) and the deleted bytes are freed when the last pin goes."""
         return self._pins.pin(key_list(keys, "pin"))
 
     def unpin(self, keys: Iterable[Hashable]) -> None:
