@@ -346,3 +346,27 @@ def test_persist_keeps_the_pages_across_a_restart(tmp_path: Path) -> None:
         assert torch.equal(pool.get_data_page(32), want)
     finally:
         again.close()
+
+
+def test_staged_pages_go_in_groups_of_bounded_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MHA pages (two parts) are staged at most STAGING_KEPT bytes at a time:
+    here two pages a group, five pages, one of them missing."""
+    import aionvme.integrations.sglang as mod
+
+    pool = MHAPool(256)
+    monkeypatch.setattr(mod, "STAGING_KEPT", 2 * pool.get_data_page(0).numel() * 2)
+    b = backend(tmp_path, pool)
+    try:
+        randomize(pool, 7)
+        before = pool.kv_buffer.clone()
+        keys = [f"g{i}" for i in range(5)]
+        assert b.batch_set_v1(keys, pages(0, 16, 32, 48, 64)) == [True] * 5
+        pool.kv_buffer.fill_(1)
+        got = b.batch_get_v1(["g4", "g3", "nope", "g1", "g0"], pages(128, 144, 160, 176, 192))
+        assert got == [True, True, False, True, True]
+        for src, dst in ((64, 128), (48, 144), (16, 176), (0, 192)):
+            assert torch.equal(pool.get_data_page(dst, flat=False), before_page(pool, before, src))
+        assert bool((pool.get_data_page(160) == 1).all())
+        assert b._stage.buf.numel() == 2 * pool.get_data_page(0).numel()
+    finally:
+        b.close()

@@ -48,7 +48,7 @@ __all__ = ["AionvmeHiCache"]
 
 logger = logging.getLogger(__name__)
 
-STAGING_KEPT = 64 << 20  # bytes of staging pages a thread keeps between calls
+STAGING_KEPT = 64 << 20  # most bytes of staging pages per thread (one page, if larger)
 
 
 @dataclass
@@ -184,18 +184,28 @@ class AionvmeHiCache(HiCacheStorage):  # type: ignore[misc]  # SGLang's class is
         starts = self._pages(host_indices, len(keys))
         pages = [pool.get_data_page(s, flat=False) for s in starts]
         outs: list[Any] = [p.view(-1) if p.is_contiguous() else None for p in pages]
-        # a page in two parts (MHA: its K and V halves) is read into an aligned
-        # staging page, then copied into the pool
-        staged = [i for i, o in enumerate(outs) if o is None]
-        if staged:
-            stage = self._staging(len(staged), pages[staged[0]].numel(), pages[staged[0]].dtype)
-            for j, i in enumerate(staged):
-                outs[i] = stage[j]
         t0 = time.perf_counter()
-        hits = self._read(keys, outs)
-        for i in staged:
-            if hits[i]:
-                pool.set_from_flat_data_page(starts[i], outs[i])
+        staged = [i for i, o in enumerate(outs) if o is None]
+        if not staged:  # every page contiguous in the pool (MLA, page_first_direct halves...): read in place
+            hits = self._read(keys, outs)
+        else:
+            # a page in two parts (MHA: its K and V halves) is read into an
+            # aligned staging page, then copied into the pool: in groups of at
+            # most STAGING_KEPT bytes of staging, each one batched read
+            page = pages[staged[0]]
+            per = max(1, STAGING_KEPT // (page.numel() * page.element_size()))
+            hits = []
+            for g in range(0, len(keys), per):
+                part = range(g, min(g + per, len(keys)))
+                mine = [i for i in part if outs[i] is None]
+                stage = self._staging(len(mine), page.numel(), page.dtype)
+                bufs = {i: stage[j] for j, i in enumerate(mine)}
+                got = self._read([keys[i] for i in part], [bufs.get(i, outs[i]) for i in part])
+                for i, ok in zip(part, got):
+                    if ok and i in bufs:
+                        pool.set_from_flat_data_page(starts[i], bufs[i])
+                hits += got
+            outs = pages
         self._note(True, hits, outs, t0)
         return hits
 
@@ -215,13 +225,11 @@ class AionvmeHiCache(HiCacheStorage):  # type: ignore[misc]  # SGLang's class is
         return [ok or k not in values for k in keys]
 
     def _staging(self, n: int, numel: int, dtype: Any) -> Any:
-        """n aligned staging pages, kept per thread up to STAGING_KEPT bytes
-        (a fresh mmap each call would be faulted in, page by page, by the read)."""
+        """n aligned staging pages of this thread, kept between calls (a fresh
+        mmap each call would be faulted in, page by page, by the read)."""
         buf = getattr(self._stage, "buf", None)
         if buf is None or buf.dtype != dtype or buf.numel() < n * numel:
-            buf = empty(n * numel, dtype=dtype, like="torch")
-            if buf.numel() * buf.element_size() <= STAGING_KEPT:
-                self._stage.buf = buf
+            buf = self._stage.buf = empty(n * numel, dtype=dtype, like="torch")
         return buf[: n * numel].view(n, numel)
 
     # -- the per-page calls (the generic path, and SGLang's own tests) --------------------------
