@@ -353,15 +353,17 @@ class AionvmeL2Adapter(L2AdapterInterface):  # type: ignore[misc,unused-ignore]
 
     def submit_lookup_and_lock_task(self, keys: list[Any], group_layout_descs: Any = None) -> int:
         """Pin each key that is present; the bitmap of those found is ready at
-        once (no I/O), and the lookup eventfd is signalled before this returns."""
+        once (no I/O), and the lookup eventfd is signalled before this returns.
+        A chunk counts once its store task has completed (LMCache heard of it)."""
         tid = self._task_id()
         skeys = [object_key_bytes(k) for k in keys]
         bitmap = Bitmap(len(keys))
         with self._lock:
-            found = self._store.pin(skeys) if not self._closed and skeys else [False] * len(skeys)
-            for i, (skey, hit) in enumerate(zip(skeys, found)):
+            known = [i for i, s in enumerate(skeys) if s in self._sizes] if not self._closed else []
+            found = self._store.pin([skeys[i] for i in known]) if known else []
+            for i, hit in zip(known, found):
                 if hit:
-                    self._pinned[skey] = self._pinned.get(skey, 0) + 1
+                    self._pinned[skeys[i]] = self._pinned.get(skeys[i], 0) + 1
                     bitmap.set(i)
             self._lookups[tid] = bitmap
             self._signal(self._lookup_efd)
