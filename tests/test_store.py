@@ -451,7 +451,7 @@ async def test_persist_reopen_gives_back_every_key(tmp_path):
             t, torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
         )
         with pytest.raises(TypeError):
-            await s.put(1, rand(3))
+            await s.put(1.5, rand(3))  # str, bytes and int keys: tests/test_store_cache.py
 
 
 def test_sync_store_without_a_loop(tmp_path):

@@ -25,6 +25,7 @@ from ._errors import (
     StoreKeyError,
     StoreKeyTypeError,
     StoreLockedError,
+    StorePinError,
     StoreTimeoutError,
 )
 from ._policy import (
@@ -59,6 +60,7 @@ __all__ = [
     "StoreKeyError",
     "StoreKeyTypeError",
     "StoreLockedError",
+    "StorePinError",
     "StoreTimeoutError",
     "SyncTieredStore",
     "TieredStore",

@@ -57,8 +57,8 @@ class Compactor:
                     if slab.alloc.free_bytes == slab.alloc.tail_free():
                         break  # no hole left below the end
                     c = e.copies[NVME]
-                    if e.dead or e.key in self.queues or c.refs or c.loading is not None:
-                        continue  # busy: a put, delete, write-out or read of it is in flight
+                    if e.dead or e.key in self.queues or c.refs or c.loading is not None or e.pins:
+                        continue  # busy: a put, delete, write-out or read of it is in flight, or pinned
                     moved += await self._move_piece(e, si, off)
             if moved:
                 nvme.stats["compactions"] += 1

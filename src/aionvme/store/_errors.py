@@ -19,6 +19,7 @@ __all__ = [
     "StoreKeyError",
     "StoreKeyTypeError",
     "StoreLockedError",
+    "StorePinError",
     "StoreTimeoutError",
 ]
 
@@ -55,6 +56,10 @@ class StoreClosedError(StoreError, RuntimeError):
 
 class StoreKeyTypeError(StoreError, TypeError):
     """A key the store cannot keep (a persistent store takes str keys only)."""
+
+
+class StorePinError(StoreError, ValueError):
+    """``unpin`` of a key that holds fewer pins than it is given back."""
 
 
 class JournalError(StoreError, ValueError):

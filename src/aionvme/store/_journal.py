@@ -18,9 +18,13 @@ changing nothing. ``recover=True`` salvages every intact record, copies the
 journal to ``<journal>.damaged-<n>`` and reports what was dropped.
 
 Snapshot file: JSON ``{"format", "generation", "slabs", "entries"}``, entries
-``{key: [meta, extents, checksum]}``. After a snapshot of generation g+1 is
-durable, the journal restarts with g+1; a journal whose generation is not
-the snapshot's is stale and ignored (a crash between the two steps).
+``{key: [meta, extents, checksum]}``; keys that are not str (bytes, int) in
+``"typed"`` instead, as ``"b:<hex>"`` / ``"i:<decimal>"`` (format 3, written
+only when there are such keys, so a store of str keys stays format 2). A
+journal record names such a key by ``"k"`` (hex or decimal) and ``"kt"``
+(``"b"`` or ``"i"``); a record without ``"kt"`` has a str key, as before.
+After a snapshot of generation g+1 is durable, the journal restarts with
+g+1; a journal whose generation is not the snapshot's is stale and ignored (a crash between the two steps).
 
 Format 1 (before data checksums: header ``AIONVME-STORE-JOURNAL <g>``, no
 commit marks, entries ``[meta, extents]``) is still read: its values have no
@@ -41,7 +45,7 @@ import shutil
 import struct
 import warnings
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from ..atomic import atomic_write
@@ -53,6 +57,7 @@ from ._values import Meta
 __all__ = ["Coalescer", "Index", "Journal", "load_index"]
 
 FORMAT = "aionvme-store/2"
+FORMAT3 = "aionvme-store/3"  # format 2 with "typed" (non-str) keys
 FORMAT1 = "aionvme-store/1"
 MAGIC2 = b"AIONVME-STORE-JOURNAL/2 "
 MAGIC1 = b"AIONVME-STORE-JOURNAL "
@@ -101,7 +106,35 @@ class Coalescer:
             self._running = False
 
 
+def key_to_json(k: Hashable) -> tuple[str, str | None]:
+    """A key as JSON text and its type tag: str as is (tag None), bytes as
+    hex ("b"), int as decimal ("i"). The caller checked the type
+    (``_values.check_keys``)."""
+    if isinstance(k, str):
+        return k, None
+    if isinstance(k, bytes):
+        return k.hex(), "b"
+    return str(k), "i"
+
+
+def key_from_json(s: object, tag: object) -> Hashable:
+    """The key of :func:`key_to_json`; ValueError for anything else."""
+    if not isinstance(s, str):
+        raise ValueError(f"a key is stored as a str, not {s!r:.40}")
+    if tag is None:
+        return s
+    if tag == "b":
+        return bytes.fromhex(s)
+    if tag == "i" and s.lstrip("-").isdigit():
+        return int(s)
+    raise ValueError(f"bad key {s!r:.40} of type tag {tag!r:.10}")
+
+
 def encode(rec: dict[str, Any]) -> bytes:
+    k = rec.get("k") if isinstance(rec, dict) else None  # (tests encode damaged records too)
+    if k is not None and not isinstance(k, str):
+        s, tag = key_to_json(k)
+        rec = {**rec, "k": s, "kt": tag}  # "op" stays first (see _START)
     payload = json.dumps(rec, separators=(",", ":")).encode()
     return _REC.pack(len(payload), zlib.crc32(payload)) + payload
 
@@ -233,7 +266,7 @@ class Index:
     def __init__(self) -> None:
         self.generation = 0
         self.slabs: list[str] | None = None
-        self.entries: dict[str, list[Any]] = {}
+        self.entries: dict[Hashable, list[Any]] = {}
         self.valid = -1
         self.rewrite = False
         self.recovered: dict[str, Any] | None = None
@@ -253,7 +286,7 @@ def load_index(snapshot: str, journal: str, recover: bool = False) -> Index:
         raise StoreCorruptError(f"not a store index ({e})", snapshot) from None
     version = 2
     if snap is not None:
-        if not isinstance(snap, dict) or snap.get("format") not in (FORMAT, FORMAT1):
+        if not isinstance(snap, dict) or snap.get("format") not in (FORMAT, FORMAT1, FORMAT3):
             raise JournalError(f"{snapshot}: not a {FORMAT} index")
         version = 1 if snap["format"] == FORMAT1 else 2
         gen, slabs, ents = snap.get("generation"), snap.get("slabs"), snap.get("entries")
@@ -266,11 +299,19 @@ def load_index(snapshot: str, journal: str, recover: bool = False) -> Index:
         ):
             raise StoreCorruptError("the snapshot lacks generation, slabs or entries", snapshot)
         idx.generation, idx.slabs = gen, slabs
-        for k, v in ents.items():
+        typed = snap.get("typed", {})
+        if not isinstance(typed, dict):
+            raise StoreCorruptError("the snapshot's typed keys are not an object", snapshot)
+        # (the key's text, its type tag, the entry): str keys, then "b:<hex>" / "i:<decimal>"
+        named: list[tuple[str, str | None, Any]] = [(k, None, v) for k, v in ents.items()]
+        for k, v in typed.items():
+            tag, _, text = k.partition(":")
+            named.append((text, tag, v))
+        for text, tag, v in named:
             try:
-                idx.entries[k] = _entry(v, len(slabs))
+                idx.entries[key_from_json(text, tag)] = _entry(v, len(slabs))
             except ValueError as e:
-                raise StoreCorruptError(f"entry {k!r:.80}: {e}", snapshot) from None
+                raise StoreCorruptError(f"entry {text!r:.80}: {e}", snapshot) from None
     nslabs = len(idx.slabs or ())
     scan = _Scan(journal, idx.generation)
     if scan.stale:
@@ -278,17 +319,14 @@ def load_index(snapshot: str, journal: str, recover: bool = False) -> Index:
         return idx
     idx.valid = scan.cut
     dropped: list[tuple[int, int]] = list(scan.damage)
-    order: dict[str, int] = {}
+    order: dict[Hashable, int] = {}
     for n, (pos, end, r) in enumerate(scan.committed):
         try:
-            _apply(idx.entries, r, nslabs)
+            order[_apply(idx.entries, r, nslabs)] = n
         except ValueError as e:
             if not recover:
                 raise _corrupt(journal, pos, f"record {n}: {e}") from None
             dropped.append((pos, end))
-            continue
-        if "k" in r:
-            order[r["k"]] = n
     if scan.damage and not recover:
         pos, end = scan.damage[0]
         after = sum(1 for p, _e, _r in scan.committed if p > pos)
@@ -321,22 +359,23 @@ def load_index(snapshot: str, journal: str, recover: bool = False) -> Index:
     return idx
 
 
-def _apply(entries: dict[str, list[Any]], r: dict[str, Any], nslabs: int) -> None:
-    op, k = r.get("op"), r.get("k")
-    if not isinstance(k, str):
-        raise ValueError(f"a record's key must be a str, not {k!r:.40}")
+def _apply(entries: dict[Hashable, list[Any]], r: dict[str, Any], nslabs: int) -> Hashable:
+    """Apply one record to the entries; its key."""
+    op = r.get("op")
+    k = key_from_json(r.get("k"), r.get("kt"))
     if op == "put":
         entries[k] = _entry([r.get("m"), r.get("x"), r.get("c")], nslabs)
     elif op == "del":
         entries.pop(k, None)
     else:
         raise ValueError(f"unknown op {op!r:.40}")
+    return k
 
 
-def _drop_overlaps(entries: dict[str, list[Any]], order: dict[str, int]) -> list[str]:
+def _drop_overlaps(entries: dict[Hashable, list[Any]], order: dict[Hashable, int]) -> list[Hashable]:
     """A recovery: where a dropped record leaves two keys naming the same NVMe
     bytes, the one written last keeps them; the others are removed (returned)."""
-    lost: list[str] = []
+    lost: list[Hashable] = []
     while True:
         pieces = sorted(
             (i, off - off % ALIGN, off + n, order.get(k, -1), k)
@@ -461,18 +500,27 @@ class Journal:
         self._pending.extend(recs)
         await self._commit()
 
-    def write_snapshot(self, slabs: list[str], entries: dict[str, list[Any]]) -> None:
+    def write_snapshot(self, slabs: list[str], entries: dict[Hashable, list[Any]]) -> None:
         """Blocking: a new snapshot of the whole index, then an empty journal."""
         gen = self.generation + 1
-        body = json.dumps(
-            {"format": FORMAT, "generation": gen, "slabs": slabs, "entries": entries},
-            separators=(",", ":"),
-        ).encode()
+        plain: dict[str, list[Any]] = {}
+        typed: dict[str, list[Any]] = {}
+        for k, v in entries.items():
+            if isinstance(k, str):
+                plain[k] = v
+            else:
+                text, tag = key_to_json(k)
+                typed[f"{tag}:{text}"] = v
+        snap: dict[str, Any] = {"format": FORMAT3 if typed else FORMAT, "generation": gen, "slabs": slabs}
+        snap["entries"] = plain
+        if typed:
+            snap["typed"] = typed
+        body = json.dumps(snap, separators=(",", ":")).encode()
         with atomic_write(self.snapshot_path, direct=False, mode=self.mode) as f:
             f.sync_pwrite(body, 0)
         self._restart(gen)
 
-    def final_snapshot(self, slabs: list[str], entries: dict[str, list[Any]]) -> None:
+    def final_snapshot(self, slabs: list[str], entries: dict[Hashable, list[Any]]) -> None:
         """:meth:`write_snapshot` at close, where a failure loses nothing (the
         journal holds every record and the next open replays it): a
         warning, not an exception (a full disk must not make close() fail)."""

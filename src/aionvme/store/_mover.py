@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
@@ -91,6 +92,8 @@ class Mover:
         self.copy_threads = 8
         self.copy_slice = COPY_SLICE
         self.copy_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        # guards Entry.pins and Entry.dead (pins are taken on any thread, see Entry)
+        self.pin_lock = threading.Lock()
 
     def note_error(self, exc: BaseException) -> None:
         self.errors.append(exc)
@@ -112,7 +115,10 @@ class Mover:
                 self.tiers[tier].notify()
 
     def settle(self, e: Entry) -> None:
-        """Free each copy of a dead entry that nobody uses any more."""
+        """Free each copy of a dead entry that nobody uses any more (a pinned
+        one's when its last pin goes: :meth:`_kv.PinTable.unpin` calls this again)."""
+        if e.pins:
+            return
         for name, c in e.copies.items():
             if c.where is not None and c.refs == 0:
                 where, c.where = c.where, None
@@ -120,7 +126,8 @@ class Mover:
 
     def retire(self, e: Entry) -> None:
         """The entry was replaced or deleted: free each copy now, or when its last user ends."""
-        e.dead = True
+        with self.pin_lock:
+            e.dead = True
         self.dirty.pop(e, None)
         for name in (GPU, HOST):
             t = self.tiers.get(name)

@@ -116,6 +116,9 @@ class Slab:
                 size = fixed
         except BaseException:
             self.file.close()
+            if create:  # a slab made here that cannot take its size (ENOSPC) is not left behind
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
             raise
         self.alloc = ExtentAllocator(size - size % ALIGN)
         self.opened_size = size  # what an index rebuilt at open may point into
@@ -201,6 +204,9 @@ class NvmeTier:
         self._grow_lock: asyncio.Lock | None = None
         # set by the store: moves extents to join free space, returns bytes moved
         self.compactor: Callable[[], Awaitable[int]] | None = None
+        # cache mode (on_full="evict", set by the store): drops the coldest
+        # values until that many bytes are free, returns the bytes freed
+        self.evictor: Callable[[int], Awaitable[int]] | None = None
         self._next = 0
         self.stats: dict[str, float] = {
             "hits": 0,
@@ -306,6 +312,8 @@ class NvmeTier:
             ext = self._try_alloc(nbytes)
             if ext is not None:
                 return ext
+            if self.evictor is not None:
+                return await self._evict_for(nbytes, self.evictor)
             full: StoreFullError | None = None
             try:
                 await self._grow(nbytes)
@@ -327,6 +335,38 @@ class NvmeTier:
             f"largest free extent {max((s.alloc.largest_free() for s in self.slabs), default=0)})",
             self.slabs[0].path,
         )
+
+    async def _evict_for(self, nbytes: int, evictor: Callable[[int], Awaitable[int]]) -> Extents:
+        """Cache mode: drop the coldest values until nbytes fit (the tier has
+        a fixed size); where the free bytes suffice but in pieces, compact,
+        and drop more (one value at a time, the next coldest, until a hole
+        fits) only if compaction did not join them. StoreFullError
+        for a value larger than the tier, or when nothing is left to drop
+        (everything pinned, read or written)."""
+        need = sum(round_up(max(n, 1)) for _o, n in self.pieces(nbytes))
+        if need > self.capacity:
+            raise StoreFullError(
+                f"a value of {nbytes} bytes is larger than the whole NVMe tier ({self.capacity} bytes)",
+                self.slabs[0].path,
+            )
+        since = -1  # bytes dropped since the last compaction (-1: none yet)
+        while True:
+            ext = self._try_alloc(nbytes)
+            if ext is not None:
+                return ext
+            short = need - self.free_bytes
+            if short <= 0 and (since < 0 or since >= need) and self.compactor is not None:
+                since = 0
+                await self.compactor()
+                continue
+            freed = await evictor(max(short, 1))
+            if not freed:
+                raise StoreFullError(
+                    f"the NVMe tier has no room for {nbytes} bytes and nothing it can drop: "
+                    f"its values are pinned, read or written ({self.used} of {self.capacity} used)",
+                    self.slabs[0].path,
+                )
+            since = max(since, 0) + freed
 
     async def _grow(self, nbytes: int) -> None:
         """Grow slabs so that each piece of a value fits at a slab's end."""

@@ -22,6 +22,8 @@ from ._cleaner import Cleaner
 from ._compact import Compactor
 from ._errors import AttachError, JournalError, StoreClosedError, StoreKeyError
 from ._journal import Journal, load_index
+from ._kv import Evictor, Jobs, PinTable, cache_capacity
+from ._kvapi import KVCalls
 from ._lock import own_dirs
 from ._memtier import GpuTier, HostTier
 from ._mover import Mover
@@ -44,7 +46,7 @@ def _sizes(value: int | str | None) -> int | None:
     return None if value is None else defaults.parse_size(value)
 
 
-class TieredStore:
+class TieredStore(KVCalls):
     """A store of tensors by key over tiers: GPU memory (optional), host memory, NVMe.
 
     Parameters
@@ -63,7 +65,8 @@ class TieredStore:
         False (default): a scratch cache, its files removed by :meth:`close`.
         True: every returned ``put`` is durable (data, then a journal
         record, each fdatasynced) and reopening the same path, after a clean
-        close or a crash, gives back every key with its bytes. Keys must be str.
+        close or a crash, gives back every key with its bytes. Keys must be
+        str, bytes or int (each kept with its type: "1", b"1" and 1 differ).
     nvme : int or str or None
         NVMe tier capacity, preallocated and split over the directories. None
         (default): each slab grows by ``fallocate`` as needed until the disk is full.
@@ -85,6 +88,13 @@ class TieredStore:
     mode : int
         Permissions of the store's files (0o600, default) and of the
         directories it creates (the same, with x where r: 0o700).
+    on_full : {'raise', 'evict'}
+        What a put does when the NVMe tier is full: raise StoreFullError
+        (default), or, as a cache, drop the coldest values (by last put or
+        get) that nobody pins, reads or holds, from every tier, until it
+        fits (needs ``nvme=``; disk use never exceeds it). Dropped keys are
+        listed by :meth:`drain_evicted`; with ``persist=True`` each drop is
+        journaled as a delete. A value larger than the whole tier still raises.
 
     Notes
     -----
@@ -136,10 +146,12 @@ class TieredStore:
         checksum: bool = True,
         recover: bool = False,
         mode: int = 0o600,
+        on_full: str = "raise",
     ) -> None:
         paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
         if not paths:
             raise ValueError("TieredStore needs at least one directory")
+        nvme_b = cache_capacity(on_full, nvme, _sizes(nvme), len(paths))
         self.paths = [os.path.abspath(os.fspath(p)) for p in paths]
         self.persist = bool(persist)
         self.timeout = timeout
@@ -147,6 +159,7 @@ class TieredStore:
         self.admission = make_admission(admit)
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._home: asyncio.AbstractEventLoop | None = None  # submit_*'s loop until bound (SyncTieredStore)
         self._index: dict[Hashable, Entry] = {}
         self._klocks: dict[Hashable, collections.deque[asyncio.Future[None]]] = {}
         host_b = defaults.parse_size(host)
@@ -171,7 +184,7 @@ class TieredStore:
         self._host = HostTier(host_b, factory, pinned=cuda and host_b > 0)
         self._journal: Journal | None = None
         self.recovered: dict[str, Any] | None = None  # what recover=True dropped (see the README)
-        self._nvme = self._open(_sizes(nvme), defaults.parse_size(stripe), checksum, recover, mode)
+        self._nvme = self._open(nvme_b, defaults.parse_size(stripe), checksum, recover, mode)
         self._mover = Mover(self._host, self._gpu, self._nvme)
         self._mover.copy_threads = min(8, os.cpu_count() or 1)  # slices of a large copy run in parallel
         self._cleaner = Cleaner(self._mover, enabled=not self.persist)
@@ -181,6 +194,10 @@ class TieredStore:
         )
         self._compactor = Compactor(self._mover, self._index, self._klocks, self._journal, self.persist)
         self._nvme.compactor = self._compactor.run
+        self._pins = PinTable(self._mover, self._index, lambda: self._loop)
+        self._jobs = Jobs()
+        kv = (self._mover, self._index, self._klocks, self._journal, self._pins, self.admission)
+        self._evictor = Evictor(*kv) if on_full == "evict" else None
 
     # -- open -----------------------------------------------------------------------------
 
@@ -189,7 +206,7 @@ class TieredStore:
         directory (one owner: StoreLockedError), check (or, with recover=True,
         salvage) its index and journal, replay them into ``_index`` and open
         the journal."""
-        entries: dict[str, list[Any]] = {}
+        entries: dict[Hashable, list[Any]] = {}
         lock = None
         if self.persist:
             lock = own_dirs(self.paths, mode)
@@ -242,12 +259,10 @@ class TieredStore:
     def _slab_paths(self) -> list[str]:
         return [s.path for s in self._nvme.slabs]
 
-    def _index_json(self, tier: NvmeTier | None = None) -> dict[str, list[Any]]:
+    def _index_json(self, tier: NvmeTier | None = None) -> dict[Hashable, list[Any]]:
         """The index snapshot: per key its meta, its extents and its checksum."""
         nv = self._nvme if tier is None else tier
-        return {
-            str(k): [e.meta.to_json(), e.disk or [], nv.checksum_of(e.disk)] for k, e in self._index.items()
-        }
+        return {k: [e.meta.to_json(), e.disk or [], nv.checksum_of(e.disk)] for k, e in self._index.items()}
 
     def _enter(self) -> asyncio.AbstractEventLoop:
         if self._closed:
@@ -359,6 +374,8 @@ class TieredStore:
             raise ValueError(f"to must be None, 'host' or 'nvme', got {to!r}")
         self._enter()
         await self._writes.put_many(items, to, self._deadline(timeout))
+        if self._evictor is not None:
+            self._evictor.touch(items)
 
     # -- get ------------------------------------------------------------------------------
 
@@ -388,6 +405,8 @@ class TieredStore:
         """
         self._enter()
         e = self._reads.lookup(key)
+        if self._evictor is not None:
+            self._evictor.touch((key,))
         if device == "cpu":
             value = self._reads.hit_now(e, out)
             if value is not None:
@@ -400,10 +419,18 @@ class TieredStore:
         device: str = "cpu",
         *,
         out: Sequence[Any] | None = None,
+        missing: str = "raise",
         timeout: float | None = None,
     ) -> list[Any]:
         """get of each key, in order (``out``: fill these arrays or tensors,
         one per key, as ``get(out=)`` does, and return them).
+
+        ``missing``: 'raise' (default): StoreKeyError if a key is absent.
+        'skip': absent keys are misses; returns, per key, True (its ``out``
+        buffer filled) or False (absent, buffer untouched), or without
+        ``out`` the value or None. In cache mode (and with 'skip') the values
+        found are pinned until the call ends: an eviction meanwhile never
+        turns a hit into an error.
 
         Values only on NVMe are read straight into their results, all in one
         request per slab; then, where the admission policy agrees, the last
@@ -411,8 +438,14 @@ class TieredStore:
         never waits for room: a batch larger than the tier does not evict its
         own values one by one).
         """
+        if missing not in ("raise", "skip"):
+            raise ValueError(f"missing must be 'raise' or 'skip', got {missing!r}")
         self._enter()
-        return await self._reads.get_many(list(keys), str(device), out, self._deadline(timeout))
+        keys = list(keys)
+        deadline = self._deadline(timeout)
+        if missing == "raise" and self._evictor is None:
+            return await self._reads.get_many(keys, str(device), out, deadline)
+        return await self._get_found(keys, str(device), out, missing == "skip", deadline)
 
     # -- attach: read-only values backed by a region of an existing file ----------------------
 
@@ -545,6 +578,8 @@ class TieredStore:
             if self._index.get(key) is e:
                 del self._index[key]
                 self._mover.retire(e)
+                if self._evictor is not None:
+                    self._evictor.lru.pop(key, None)
             self.admission.forget(key)
 
     def __contains__(self, key: object) -> bool:
@@ -597,6 +632,7 @@ class TieredStore:
         if self._loop is not None and self._loop is not asyncio.get_running_loop():
             raise StoreClosedError("close() must run on the store's event loop")
         self._closed = True
+        await self._jobs.close()  # submitted jobs finish, or fail with StoreClosedError if not started
         tasks = list(self._tasks)
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -628,6 +664,7 @@ class TieredStore:
             self._journal.close()
         self._nvme.close(remove=not self.persist)
         self._mover.stop_copies()
+        self._jobs.close_fd()
 
     @property
     def closed(self) -> bool:
@@ -642,6 +679,7 @@ class TieredStore:
             if self._journal is not None:
                 self._journal.close()
             self._nvme.close(remove=not self.persist)  # a scratch store leaves no slab behind
+            self._jobs.close_fd()
 
     async def __aenter__(self) -> TieredStore:
         return self

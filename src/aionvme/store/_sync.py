@@ -25,7 +25,10 @@ class SyncTieredStore:
     Takes TieredStore's arguments. Methods: ``put``, ``get``, ``put_many``,
     ``get_many``, ``prefetch``, ``evict``, ``delete``, ``hold`` (a plain
     ``with``), ``stats``, ``keys``, ``where``, ``in``, ``len``, ``close`` (or
-    ``with``). Safe to call from several threads at once. ``store.aio`` is the
+    ``with``). Safe to call from several threads at once. The KV-tier calls
+    of TieredStore work from any thread without waiting for the loop:
+    ``pin``, ``unpin``, ``drain_evicted``, ``count_prefix``, ``contains``,
+    ``submit_put_many``, ``submit_get_many`` (futures), ``completion_fd``. ``store.aio`` is the
     TieredStore itself, for coroutines run on ``store.loop``.
 
     Notes
@@ -39,7 +42,17 @@ class SyncTieredStore:
         self.aio = TieredStore(*args, **kwargs)
         self._bg = background()
         self.loop = self._bg.loop
+        self.aio._home = self.loop  # submit_* runs there
         self._closed = False
+        # thread-safe without a hop to the loop (see TieredStore)
+        self.pin = self.aio.pin
+        self.unpin = self.aio.unpin
+        self.drain_evicted = self.aio.drain_evicted
+        self.count_prefix = self.aio.count_prefix
+        self.contains = self.aio.contains
+        self.submit_put_many = self.aio.submit_put_many
+        self.submit_get_many = self.aio.submit_get_many
+        self.completion_fd = self.aio.completion_fd
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         if self._closed or self._bg.pid != os.getpid():
@@ -81,9 +94,10 @@ class SyncTieredStore:
         device: str = "cpu",
         *,
         out: Sequence[Any] | None = None,
+        missing: str = "raise",
         timeout: float | None = None,
     ) -> list[Any]:
-        return self._run(self.aio.get_many(list(keys), device, out=out, timeout=timeout))
+        return self._run(self.aio.get_many(list(keys), device, out=out, missing=missing, timeout=timeout))
 
     def prefetch(self, keys: Iterable[Hashable], to: str = "host", *, timeout: float | None = None) -> None:
         self._run(self.aio.prefetch(list(keys), to, timeout=timeout))

@@ -66,13 +66,19 @@ class Entry:
     and retires the old one, so every copy of an Entry holds the same bytes and
     any of them may serve a read."""
 
-    __slots__ = ("copies", "dead", "key", "meta", "replaced")
+    __slots__ = ("copies", "dead", "key", "meta", "pins", "replaced")
 
     def __init__(self, key: Hashable, meta: Meta) -> None:
         self.key = key
         self.meta = meta
         self.copies: dict[str, Copy] = {}
         self.dead = False  # replaced or deleted
+        # pins across calls (TieredStore.pin, from any thread): while > 0 the
+        # value is never evicted from the NVMe tier, moved or overwritten, and
+        # its copies outlive a delete. Changed, and ``dead`` set, only under
+        # the store's pin lock (Mover.pin_lock), so a pin taken on another
+        # thread and an eviction or delete on the loop's never cross.
+        self.pins = 0
         # set while a put overwrites this entry's NVMe extents in place (see
         # TieredStore._reusable): done when the index holds the new entry (or
         # the key is gone); readers that find no copy wait for it
@@ -119,8 +125,8 @@ class Entry:
         return self.loading(NVME) is not None
 
     def busy(self) -> bool:
-        """Someone reads, holds, loads or writes out one of its copies."""
-        return any(c.refs or c.claims or c.loading is not None for c in self.copies.values())
+        """Someone pins it, or reads, holds, loads or writes out one of its copies."""
+        return self.pins > 0 or any(c.refs or c.claims or c.loading is not None for c in self.copies.values())
 
     def idle(self) -> bool:
         return not self.busy()

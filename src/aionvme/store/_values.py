@@ -271,13 +271,27 @@ def check_out(out: Any, meta: Meta) -> Any:
     return out.reshape(-1).view(torch_module().uint8)
 
 
+# the largest int key a persistent store takes (its journal writes it in
+# decimal; Python refuses to parse more than 4300 digits by default)
+INT_KEY_BITS = 4096
+
+
 def check_keys(keys: Any, persist: bool) -> None:
-    """Keys: any hashable in a scratch store; str in a persistent one (its
-    index is JSON, whose keys are strings): StoreKeyTypeError if not."""
+    """Keys: any hashable in a scratch store; str, bytes or int (block
+    hashes, of up to INT_KEY_BITS bits) in a persistent one, whose journal
+    records each with its type: StoreKeyTypeError if not."""
     if persist:
         for k in keys:
-            if not isinstance(k, str):
-                raise StoreKeyTypeError(f"a persistent store takes str keys, got {type(k).__name__}")
+            if type(k) is int:
+                if k.bit_length() > INT_KEY_BITS:
+                    raise StoreKeyTypeError(
+                        f"a persistent store takes int keys of up to {INT_KEY_BITS} bits, "
+                        f"got one of {k.bit_length()}"
+                    )
+            elif not isinstance(k, (str, bytes)):
+                raise StoreKeyTypeError(
+                    f"a persistent store takes str, bytes or int keys, got {type(k).__name__}"
+                )
 
 
 def numel(shape: tuple[int, ...]) -> int:

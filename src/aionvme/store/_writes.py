@@ -154,16 +154,22 @@ class Writes:
                 # overwrite the previous values' pages in place: taken with no
                 # await between here and the write's start, so a cancellation
                 # before it leaves them whole; their readers wait for this put
-                # (see Entry.replaced)
-                for e, _src, reuse in plans:
-                    prev, e.copy(NVME).where = reuse  # type: ignore[misc]
-                    m.drop(prev, HOST)
-                    m.drop(prev, GPU)
-                    prev.copies[NVME].where = None
-                    prev.dead = True
-                    prev.replaced = asyncio.get_running_loop().create_future()
-                    reused.append(prev)
-                break
+                # (see Entry.replaced); a pin taken meanwhile on another thread
+                # keeps the old value: new space instead
+                with m.pin_lock:
+                    pinned = [e for e, _src, reuse in plans if reuse[0].pins]  # type: ignore[index]
+                    if not pinned:
+                        for e, _src, reuse in plans:
+                            prev, e.copy(NVME).where = reuse  # type: ignore[misc]
+                            m.drop(prev, HOST)
+                            m.drop(prev, GPU)
+                            prev.copies[NVME].where = None
+                            prev.dead = True
+                            prev.replaced = asyncio.get_running_loop().create_future()
+                            reused.append(prev)
+                if not pinned:
+                    break
+                late = [(e, src) for e, src, _reuse in plans if e in pinned]
             for e, src in late:  # new space (each await may change what is reusable)
                 e.copy(NVME).where = await m.nvme.allocate(e.nbytes, address(src))
         jobs = [(e.disk, src) for e, src in bypass]

@@ -1,0 +1,304 @@
+"""What a KV-cache tier of a serving engine asks of the store: pins across
+calls from any thread (:class:`PinTable`), cache mode (:class:`Evictor`:
+a full NVMe tier drops its coldest values instead of refusing a put) and
+jobs submitted from foreign threads (:class:`Jobs`: a
+``concurrent.futures.Future`` each and an eventfd the caller polls).
+
+Pins and evictions cross threads: an engine pins a block on its scheduler
+thread while the store's loop evicts. Both take one lock (``Mover.pin_lock``)
+around the two facts that decide it, ``Entry.pins`` and ``Entry.dead``: a
+pin takes a live entry, an eviction (or a delete, or a put replacing the
+value) marks an unpinned one dead, never both. A dead entry's copies are
+freed when its last reader and its last pin are gone (``Mover.settle``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import os
+import threading
+from collections.abc import Callable, Coroutine, Hashable, Iterable
+from typing import Any, TypeVar
+
+from ._alloc import ALIGN, round_up
+from ._errors import StoreClosedError, StorePinError
+from ._mover import Mover
+from ._nvme import span
+from ._policy import Admission
+from ._tiers import Entry
+
+__all__ = ["Evictor", "Jobs", "PinTable", "key_list"]
+
+T = TypeVar("T")
+
+
+def cache_capacity(on_full: str, given: object, nvme: int | None, ndirs: int) -> int | None:
+    """The NVMe tier's capacity for ``on_full`` (checked): in cache mode
+    ``nvme=`` is required, and rounded down to whole pages per directory
+    (the tier never exceeds it)."""
+    if on_full not in ("raise", "evict"):
+        raise ValueError(f"on_full must be 'raise' or 'evict', got {on_full!r}")
+    if on_full == "raise":
+        return nvme
+    if nvme is None:
+        raise ValueError("on_full='evict' needs the NVMe tier's capacity (nvme=)")
+    nvme -= nvme % (ALIGN * ndirs)
+    if nvme <= 0:
+        raise ValueError(f"nvme={given!r} is less than a page per directory")
+    return nvme
+
+
+def key_list(keys: Iterable[Hashable], what: str) -> list[Hashable]:
+    """The keys of a call that takes a list of them; a lone str, bytes or int
+    (which would iterate as its characters or fail) is a TypeError."""
+    if isinstance(keys, (str, bytes, int)):
+        raise TypeError(f"{what} takes a list of keys, got a single {type(keys).__name__}: pass [key]")
+    return list(keys)
+
+
+class PinTable:
+    """``store.pin`` / ``store.unpin``: per key, the entries its pins hold
+    (oldest first: a key replaced while pinned keeps its old value's pins),
+    and the keys cache-mode eviction dropped since ``drain``."""
+
+    def __init__(
+        self, mover: Mover, index: dict[Hashable, Entry], loop: Callable[[], asyncio.AbstractEventLoop | None]
+    ) -> None:
+        self.mover = mover
+        self.lock = mover.pin_lock
+        self.index = index
+        self.loop = loop
+        self.by_key: dict[Hashable, list[Entry]] = {}
+        self.evicted: list[Hashable] = []
+
+    def pin(self, keys: list[Hashable]) -> list[bool]:
+        out: list[bool] = []
+        with self.lock:
+            for k in keys:
+                e = self.index.get(k)
+                if e is None or e.dead:
+                    out.append(False)
+                    continue
+                e.pins += 1
+                self.by_key.setdefault(k, []).append(e)
+                out.append(True)
+        return out
+
+    def unpin(self, keys: list[Hashable]) -> None:
+        """Give back one pin per key (all or none: StorePinError if a key has
+        fewer pins than it is named)."""
+        released: list[Entry] = []
+        with self.lock:
+            for k, n in collections.Counter(keys).items():
+                have = len(self.by_key.get(k, ()))
+                if have < n:
+                    why = f"it has {have} pin(s)" if have else "it is not pinned"
+                    raise StorePinError(f"unpin of {k!r} {n} time(s): {why}")
+            for k in keys:
+                held = self.by_key[k]
+                e = held.pop(0)
+                if not held:
+                    del self.by_key[k]
+                e.pins -= 1
+                if e.pins == 0 and e.dead:
+                    released.append(e)
+        self._settle(released)
+
+    def hold(self, entries: list[Entry]) -> list[Entry]:
+        """Pin entries for one call on the loop's thread (a get_many that must
+        not see its values evicted midway); the live ones, to :meth:`release`."""
+        got: list[Entry] = []
+        with self.lock:
+            for e in entries:
+                if not e.dead:
+                    e.pins += 1
+                    got.append(e)
+        return got
+
+    def release(self, entries: list[Entry]) -> None:
+        released: list[Entry] = []
+        with self.lock:
+            for e in entries:
+                e.pins -= 1
+                if e.pins == 0 and e.dead:
+                    released.append(e)
+        self._settle(released)
+
+    def _settle(self, entries: list[Entry]) -> None:
+        """Free the copies of dead entries whose last pin went (on the loop's thread)."""
+        if not entries:
+            return
+        loop = self.loop()
+        if loop is None or loop.is_closed():
+            return  # never ran, or closed: its files are closed, nothing to free
+        for e in entries:
+            loop.call_soon_threadsafe(self.mover.settle, e)
+
+    def note_evicted(self, keys: list[Hashable]) -> None:
+        with self.lock:
+            self.evicted.extend(keys)
+
+    def drain(self) -> list[Hashable]:
+        with self.lock:
+            out, self.evicted = self.evicted, []
+        return out
+
+
+class Evictor:
+    """Cache mode (``on_full="evict"``): when the NVMe tier has no room, drop
+    the coldest values that have an NVMe copy and that nobody pins, reads,
+    holds, writes or moves, from every tier (the NVMe tier calls it, see
+    ``NvmeTier.evictor``). ``lru`` orders the keys by their last put or get.
+    With a journal each drop is journaled as a delete, durable before the
+    space is reused (a crash never gives back a key whose bytes were
+    overwritten)."""
+
+    def __init__(
+        self,
+        mover: Mover,
+        index: dict[Hashable, Entry],
+        queues: dict[Hashable, Any],
+        journal: Any,
+        pins: PinTable,
+        admission: Admission,
+    ) -> None:
+        self.mover = mover
+        self.index = index
+        self.queues = queues
+        self.journal = journal
+        self.pins = pins
+        self.forget = admission.forget
+        # a reopened store's keys, coldest first as the journal had them
+        self.lru: collections.OrderedDict[Hashable, None] = collections.OrderedDict.fromkeys(index)
+        mover.nvme.evictor = self
+
+    def touch(self, keys: Iterable[Hashable]) -> None:
+        lru = self.lru
+        for k in keys:
+            try:
+                lru.move_to_end(k)
+            except KeyError:
+                lru[k] = None
+
+    def _victims(self, need: int) -> tuple[list[Entry], int]:
+        """The coldest droppable entries that free ``need`` bytes (fewer if
+        there are not that many), marked dead under the pin lock: no pin
+        can take them from here on."""
+        victims: list[Entry] = []
+        freed = 0
+        gone: list[Hashable] = []
+        with self.pins.lock:
+            for k in self.lru:
+                e = self.index.get(k)
+                if e is None:
+                    gone.append(k)
+                    continue
+                ext = e.disk
+                if (
+                    ext is None
+                    or e.busy()
+                    or e.replaced is not None
+                    or k in self.queues  # a put or delete of it is under way: journal order
+                    or any(x[0] < 0 for x in ext)  # attached: its file is not the tier's space
+                ):
+                    continue
+                e.dead = True
+                victims.append(e)
+                freed += sum(round_up(span(off, n)[1]) for _i, off, _b, n in ext)
+                if freed >= need:
+                    break
+        for k in gone:
+            del self.lru[k]
+        return victims, freed
+
+    async def __call__(self, need: int) -> int:
+        """Drop values until ``need`` bytes are free in the NVMe tier (as far
+        as there are values to drop); the bytes freed."""
+        victims, freed = self._victims(need)
+        if not victims:
+            return 0
+        keys = [e.key for e in victims]
+        for e in victims:
+            del self.index[e.key]
+            del self.lru[e.key]
+        if self.journal is not None:
+            try:
+                await self.journal.append([{"op": "del", "k": k} for k in keys])
+            except BaseException:
+                # not durably gone: keep what nobody replaced meanwhile, as it was
+                with self.pins.lock:
+                    for e in victims:
+                        if e.key not in self.index:
+                            e.dead = False
+                            self.index[e.key] = e
+                            self.lru[e.key] = None
+                            self.lru.move_to_end(e.key, last=False)
+                for e in victims:
+                    if e.dead:
+                        self.mover.retire(e)
+                raise
+        for e in victims:
+            self.mover.retire(e)
+            self.forget(e.key)
+        self.mover.nvme.stats["evictions"] += len(victims)
+        self.pins.note_evicted(keys)
+        return freed
+
+
+class Jobs:
+    """Calls submitted from other threads (``submit_put_many``,
+    ``submit_get_many``): each runs on the store's loop and completes a
+    ``concurrent.futures.Future``; then 1 is added to the eventfd of
+    :meth:`fd` (made on first use), so a caller polls one fd and collects its
+    finished futures. :meth:`close` (at the store's close) refuses new jobs and
+    waits for those submitted: they finish, or fail with StoreClosedError
+    where they had not started."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.closed = False
+        self.futures: set[concurrent.futures.Future[Any]] = set()
+        self._fd = -1
+
+    def fd(self) -> int:
+        with self.lock:
+            if self.closed:
+                raise StoreClosedError("the store is closed")
+            if self._fd < 0:
+                self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            return self._fd
+
+    def submit(
+        self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]
+    ) -> concurrent.futures.Future[T]:
+        with self.lock:
+            if self.closed or loop.is_closed():
+                coro.close()
+                why = "the store is closed" if self.closed else "the store's event loop is closed"
+                raise StoreClosedError(why)
+            fut = asyncio.run_coroutine_threadsafe(coro, loop)
+            self.futures.add(fut)
+        fut.add_done_callback(self._done)  # runs on the loop's thread (or here, if done already)
+        return fut
+
+    def _done(self, fut: concurrent.futures.Future[Any]) -> None:
+        with self.lock:
+            self.futures.discard(fut)
+            if self._fd >= 0:
+                os.eventfd_write(self._fd, 1)
+
+    async def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            futs = list(self.futures)
+        if futs:
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in futs), return_exceptions=True)
+
+    def close_fd(self) -> None:
+        with self.lock:
+            self.closed = True
+            fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)

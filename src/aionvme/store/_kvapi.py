@@ -1,0 +1,119 @@
+"""The calls a serving engine's KV-cache tier makes on a store, on top of
+get and put: presence checks, pins across calls, the keys cache mode
+dropped, and jobs submitted from the engine's own threads (see :mod:`._kv`
+for how they work). :class:`TieredStore` inherits them."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Callable, Coroutine, Hashable, Iterable, Mapping, Sequence
+from typing import Any
+
+from ._errors import StoreClosedError
+from ._kv import Evictor, Jobs, PinTable, key_list
+from ._reads import Reads
+from ._tiers import Entry
+
+__all__ = ["KVCalls"]
+
+
+class KVCalls:
+    """Part of :class:`TieredStore` (its attributes are the store's)."""
+
+    _index: dict[Hashable, Entry]
+    _loop: asyncio.AbstractEventLoop | None
+    _home: asyncio.AbstractEventLoop | None
+    _pins: PinTable
+    _jobs: Jobs
+    _evictor: Evictor | None
+    _reads: Reads
+
+    put_many: Callable[..., Coroutine[Any, Any, None]]
+    get_many: Callable[..., Coroutine[Any, Any, list[Any]]]
+
+    def contains(self, key: Hashable) -> bool:
+        """``key in store``: sync, from any thread, no I/O."""
+        return key in self._index
+
+    def count_prefix(self, keys: Iterable[Hashable]) -> int:
+        """How many leading keys are present (sync, from any thread, no I/O):
+        the hit length of a prefix of KV blocks."""
+        n = 0
+        index = self._index
+        for k in key_list(keys, "count_prefix"):
+            if k not in index:
+                break
+            n += 1
+        return n
+
+    def pin(self, keys: Iterable[Hashable]) -> list[bool]:
+        """Pin each key's value (refcounted; from any thread, no loop needed):
+        True where the key is present and now pinned, False where it is
+        absent (not pinned). A pinned value is never dropped by cache-mode
+        eviction nor moved in its slab; a delete (or a put) of a pinned key
+        takes effect for later calls at once, and its old bytes are freed
+        when the last pin goes."""
+        return self._pins.pin(key_list(keys, "pin"))
+
+    def unpin(self, keys: Iterable[Hashable]) -> None:
+        """Give back one pin per key (from any thread); StorePinError (a
+        ValueError) if a key has fewer pins, and then nothing is given back."""
+        self._pins.unpin(key_list(keys, "unpin"))
+
+    def drain_evicted(self) -> list[Hashable]:
+        """The keys cache-mode eviction dropped since the last call (thread-safe;
+        not those deleted by the user)."""
+        return self._pins.drain()
+
+    def _job_loop(self) -> asyncio.AbstractEventLoop:
+        loop = self._loop or self._home
+        if loop is None:
+            raise StoreClosedError(
+                "submit_* runs on the store's event loop and this TieredStore has none yet: "
+                "use it from a coroutine first, or make a SyncTieredStore"
+            )
+        return loop
+
+    def submit_put_many(self, items: Mapping[Any, Any], **kw: Any) -> concurrent.futures.Future[None]:
+        """:meth:`put_many` (``to=``, ``timeout=``) from any thread: it runs on
+        the store's loop; its result (None) or error arrives on the returned
+        future, and then 1 is added to :meth:`completion_fd`."""
+        return self._jobs.submit(self._job_loop(), self.put_many(dict(items), **kw))
+
+    def submit_get_many(self, keys: Iterable[Hashable], **kw: Any) -> concurrent.futures.Future[list[Any]]:
+        """:meth:`get_many` (``device=``, ``out=``, ``missing=``,
+        ``timeout=``) from any thread, as :meth:`submit_put_many`."""
+        if kw.get("out") is not None:
+            kw["out"] = list(kw["out"])
+        return self._jobs.submit(self._job_loop(), self.get_many(list(keys), **kw))
+
+    def completion_fd(self) -> int:
+        """An eventfd (EFD_NONBLOCK) to which 1 is added each time a submitted
+        job completes, with a result or an error: poll it, read it, then
+        collect the finished futures (counts coalesce). Closed by ``close()``."""
+        return self._jobs.fd()
+
+    async def _get_found(
+        self, keys: list[Hashable], device: str, out: Sequence[Any] | None, skip: bool, deadline: float | None
+    ) -> list[Any]:
+        """get_many in cache mode or with missing='skip': the values found are
+        pinned until the end (an eviction meanwhile cannot take them)."""
+        if out is not None and len(out) != len(keys):
+            raise ValueError(f"out has {len(out)} buffers for {len(keys)} keys")
+        index = self._index
+        found = [i for i, k in enumerate(keys) if k in index] if skip else list(range(len(keys)))
+        held = self._pins.hold([self._reads.lookup(keys[i]) for i in found])
+        try:
+            if self._evictor is not None:
+                self._evictor.touch(keys[i] for i in found)
+            outs = None if out is None else [out[i] for i in found]
+            got = await self._reads.get_many([keys[i] for i in found], device, outs, deadline)
+        finally:
+            self._pins.release(held)
+        if not skip:
+            return got
+        res: list[Any] = [False if out is not None else None] * len(keys)
+        for i, v in zip(found, got):
+            res[i] = True if out is not None else v
+        return res

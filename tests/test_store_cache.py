@@ -1,0 +1,274 @@
+"""The store as a serving engine's KV-cache tier (issue 35): keys of str,
+bytes and int (persisted with their type), per-key hits (get_many
+missing='skip', count_prefix, contains), pins across calls, cache mode
+(on_full='evict': a bounded disk, the coldest values dropped), all on real
+slab files. Calls from other threads: tests/test_store_threads.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+
+from aionvme.store import (
+    StoreFullError,
+    StoreKeyError,
+    StoreKeyTypeError,
+    StorePinError,
+    SyncTieredStore,
+    TieredStore,
+)
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+
+def block(key: object, n: int = 64 * KiB) -> np.ndarray:
+    """The bytes of a KV block: distinct per key and size."""
+    seed = abs(hash(repr(key))) % (1 << 32)
+    return np.random.default_rng(seed + n).integers(0, 256, n, dtype=np.uint8)
+
+
+def disk_bytes(store: TieredStore) -> int:
+    """What the slab files take on disk (st_blocks), not their apparent size."""
+    return sum(os.stat(s.path).st_blocks * 512 for s in store._nvme.slabs)
+
+
+def crash(s: SyncTieredStore) -> None:
+    """Leave the directory as a crash would: no snapshot, the journal as it is."""
+    s.aio._journal.close()
+    s.aio._nvme.close(remove=False)
+    s.aio._closed = True
+    s.close()
+
+
+# -- keys: str, bytes, int, persisted with their type -----------------------------------
+
+
+KEYS = ["1", 1, b"1", -7, 1 << 200, -(1 << 100), b"\x00\xff", "", b"", 0, "i:5", "b:31"]
+
+
+@pytest.mark.parametrize("reopen", ["snapshot", "journal"])
+def test_str_bytes_int_keys_persist_with_their_type(tmp_path, reopen):
+    s = SyncTieredStore(tmp_path, host="64K", persist=True)
+    for k in KEYS:
+        s.put(k, block(k, 4 * KiB))
+    s.delete(b"\x00\xff")
+    s.put(-7, block("again", 4 * KiB))
+    if reopen == "journal":
+        crash(s)  # the journal's records only
+    else:
+        s.close()  # a snapshot (format 3: typed keys)
+    with SyncTieredStore(tmp_path, host="64K", persist=True) as s:
+        keys = s.keys()
+        assert sorted(map(repr, keys)) == sorted(repr(k) for k in KEYS if k != b"\x00\xff")
+        assert len({(type(k), k) for k in keys}) == len(KEYS) - 1  # "1", 1 and b"1" stay three keys
+        for k in keys:
+            want = block("again", 4 * KiB) if k == -7 else block(k, 4 * KiB)
+            assert type(k) in (str, bytes, int)
+            assert np.array_equal(s.get(k), want), k
+        assert s.contains(1) and s.contains("1") and s.contains(b"1") and not s.contains(b"\x00\xff")
+
+
+def test_a_store_of_str_keys_keeps_format_2(tmp_path):
+    with SyncTieredStore(tmp_path, host="64K", persist=True) as s:
+        s.put("a", block("a", 4 * KiB))
+    assert b'"aionvme-store/2"' in (tmp_path / "aionvme-store.index").read_bytes()
+    with SyncTieredStore(tmp_path, host="64K", persist=True) as s:
+        s.put(5, block(5, 4 * KiB))
+    assert b'"aionvme-store/3"' in (tmp_path / "aionvme-store.index").read_bytes()
+
+
+@pytest.mark.parametrize("key", [True, 1.5, ("a",), 1 << 5000])
+async def test_a_persistent_store_refuses_other_keys(tmp_path, key):
+    async with TieredStore(tmp_path, host=0, persist=True) as s:
+        with pytest.raises(StoreKeyTypeError):
+            await s.put(key, block("x"))
+        assert s.keys() == []
+
+
+# -- per-key hits ------------------------------------------------------------------------
+
+
+async def test_get_many_skip_fills_what_is_there_and_leaves_the_rest(tmp_path):
+    async with TieredStore(tmp_path, host=128 * KiB) as s:
+        for k in (1, 3, 4):
+            await s.put(k, block(k))
+        await s.evict(3)  # one from NVMe, the others from host memory
+        outs = [np.full(64 * KiB, 7, np.uint8) for _ in range(5)]
+        got = await s.get_many([0, 1, 2, 3, 4], out=outs, missing="skip")
+        assert got == [False, True, False, True, True]
+        for i in (0, 2):
+            assert (outs[i] == 7).all()  # untouched
+        for i in (1, 3, 4):
+            assert np.array_equal(outs[i], block(i))
+        vals = await s.get_many([9, 4, 3], missing="skip")
+        assert vals[0] is None and np.array_equal(vals[1], block(4)) and np.array_equal(vals[2], block(3))
+        with pytest.raises(StoreKeyError):
+            await s.get_many([1, 2])
+        with pytest.raises(ValueError, match="missing"):
+            await s.get_many([1], missing="ignore")
+        assert await s.get_many([], missing="skip") == []
+
+
+def test_count_prefix_and_contains(tmp_path):
+    with SyncTieredStore(tmp_path, host="1M") as s:
+        for k in (10, 11, 12, 14):
+            s.put(k, block(k, 4 * KiB))
+        assert s.count_prefix([10, 11, 12, 13, 14]) == 3
+        assert s.count_prefix([13, 10]) == 0
+        assert s.count_prefix([]) == 0
+        assert s.contains(14) and not s.contains(13) and 14 in s
+        with pytest.raises(TypeError, match="list of keys"):
+            s.count_prefix(10)  # type: ignore[arg-type]
+
+
+# -- pins ---------------------------------------------------------------------------------
+
+
+def test_pin_is_refcounted_and_unpin_past_zero_is_a_typed_error(tmp_path):
+    with SyncTieredStore(tmp_path, host="1M") as s:
+        s.put("a", block("a"))
+        assert s.pin(["a", "missing", "a"]) == [True, False, True]
+        s.unpin(["a"])
+        s.unpin(["a"])
+        with pytest.raises(StorePinError) as err:
+            s.unpin(["a"])
+        assert isinstance(err.value, ValueError)
+        s.pin(["a"])
+        with pytest.raises(StorePinError):
+            s.unpin(["a", "a"])  # all or nothing: the one pin stays
+        s.unpin(["a"])
+        with pytest.raises(StorePinError):
+            s.unpin(["missing"])
+
+
+async def test_a_deleted_pinned_value_keeps_its_bytes_until_the_last_unpin(tmp_path):
+    async with TieredStore(tmp_path, host=0, nvme=MiB, on_full="evict") as s:
+        await s.put("a", block("a"))
+        used = s._nvme.used
+        assert s.pin(["a"]) == [True]
+        e = s._index["a"]
+        await s.delete("a")
+        assert "a" not in s and s.pin(["a"]) == [False]
+        with pytest.raises(StoreKeyError):
+            await s.get("a")
+        assert s._nvme.used == used and e.disk is not None  # still allocated: pinned
+        s.unpin(["a"])
+        await asyncio.sleep(0)  # the last unpin frees it on the loop
+        assert s._nvme.used == 0
+
+
+# -- cache mode -----------------------------------------------------------------------------
+
+
+def test_cache_mode_checks_its_settings(tmp_path):
+    with pytest.raises(ValueError, match="nvme="):
+        TieredStore(tmp_path, on_full="evict")
+    with pytest.raises(ValueError, match="on_full"):
+        TieredStore(tmp_path, nvme="1M", on_full="drop")
+
+
+@pytest.mark.parametrize("persist", [False, True])
+async def test_a_full_tier_drops_its_coldest_values_and_never_grows(tmp_path, persist):
+    cap = 1 * MiB
+    async with TieredStore(tmp_path, host=0, nvme=cap, on_full="evict", persist=persist) as s:
+        for k in range(16):  # 16 blocks of 64 KiB fill it
+            await s.put(k, block(k))
+        assert s.drain_evicted() == []
+        await s.get(0)  # now the warmest
+        for k in range(16, 20):
+            await s.put(k, block(k))
+            assert disk_bytes(s) <= cap
+        assert s.drain_evicted() == [1, 2, 3, 4]
+        assert s.drain_evicted() == []
+        assert sorted(s.keys()) == [0, *range(5, 20)]
+        for k in list(s):
+            assert np.array_equal(await s.get(k), block(k))
+        assert s.stats()["nvme"]["evictions"] == 4
+        with pytest.raises(StoreFullError):
+            await s.put("huge", np.zeros(cap + 4096, np.uint8))
+        assert len(s) == 16
+
+
+async def test_pinned_and_held_values_are_never_dropped(tmp_path):
+    async with TieredStore(tmp_path, host=64 * KiB, nvme=512 * KiB, on_full="evict") as s:
+        for k in range(8):
+            await s.put(k, block(k), to="nvme")
+        assert s.pin([0, 1]) == [True, True]
+        async with s.hold(2) as held:
+            for k in range(8, 40):
+                await s.put(k, block(k), to="nvme")
+            assert np.array_equal(held, block(2))
+            assert {0, 1, 2} <= set(s.keys())
+        s.unpin([0, 1])
+        evicted = s.drain_evicted()
+        assert not {0, 1, 2} & set(evicted)
+        for k in range(40, 48):
+            await s.put(k, block(k), to="nvme")
+        assert {0, 1, 2} & set(s.drain_evicted())  # unpinned and released: droppable again
+
+
+async def test_when_everything_is_pinned_a_put_raises_full(tmp_path):
+    async with TieredStore(tmp_path, host=0, nvme=256 * KiB, on_full="evict") as s:
+        for k in range(4):
+            await s.put(k, block(k))
+        s.pin(range(4))  # type: ignore[arg-type]
+        with pytest.raises(StoreFullError, match="pinned"):
+            await s.put(9, block(9))
+        assert sorted(s.keys()) == [0, 1, 2, 3]
+        s.unpin([2])
+        await s.put(9, block(9))
+        assert s.drain_evicted() == [2]
+
+
+async def test_dropped_keys_are_journaled_as_deletes(tmp_path):
+    d = tmp_path / "s"
+    s = SyncTieredStore(d, host=0, nvme=512 * KiB, on_full="evict", persist=True)
+    for k in range(12):
+        s.put(k, block(k))
+    assert s.drain_evicted() == [0, 1, 2, 3]
+    crash(s)  # the journal only: its delete records must hold
+    s = SyncTieredStore(d, host=0, nvme=512 * KiB, on_full="evict", persist=True)
+    try:
+        assert sorted(s.keys()) == list(range(4, 12))
+        for k in range(4, 12):
+            assert np.array_equal(s.get(k), block(k))
+        s.put(12, block(12))  # the coldest of a reopened store go first
+        assert s.drain_evicted() == [4]
+    finally:
+        s.close()
+
+
+async def test_cache_mode_compacts_when_free_space_is_in_pieces(tmp_path):
+    async with TieredStore(tmp_path, host=0, nvme=MiB, on_full="evict") as s:
+        for k in range(16):
+            await s.put(k, block(k))
+        for k in range(0, 16, 2):
+            await s.delete(k)  # 512 KiB free, in 64 KiB holes
+        s.pin([1, 3, 5])
+        await s.put("big", block("big", 256 * KiB))  # fits once moved together: nothing dropped
+        assert s.drain_evicted() == []
+        assert s.stats()["nvme"]["compactions"] >= 1
+        assert np.array_equal(await s.get("big"), block("big", 256 * KiB))
+        for k in range(1, 16, 2):
+            assert np.array_equal(await s.get(k), block(k))
+        s.unpin([1, 3, 5])
+
+
+async def test_write_behind_of_a_scratch_cache_stays_bounded(tmp_path):
+    cap = 512 * KiB
+    async with TieredStore(tmp_path, host=256 * KiB, nvme=cap, on_full="evict") as s:
+        for k in range(64):
+            await s.put(k, block(k))
+            assert disk_bytes(s) <= cap
+        present = [k for k in range(64) if k in s]
+        assert len(present) >= 8
+        got = await s.get_many(range(64), missing="skip")
+        for k, v in enumerate(got):
+            assert (v is None) == (k not in present)
+            if v is not None:
+                assert np.array_equal(v, block(k))
+        assert set(s.drain_evicted()) == set(range(64)) - set(present)
