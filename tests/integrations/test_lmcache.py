@@ -391,6 +391,29 @@ def test_a_chunk_that_fails_its_checksum_is_a_miss_and_is_dropped(
     assert adapter.get_usage().total_bytes_used == 2 * CHUNK
 
 
+def test_load_tasks_in_flight_together_each_get_their_own_result(adapter: AionvmeL2Adapter) -> None:
+    """LMCache keeps several load tasks in flight; the adapter reads those
+    queued behind running ones as one batch: each still gets its own bitmap."""
+    srcs = [chunk(i) for i in range(12)]
+    store(adapter, [key(i) for i in range(12)], srcs)
+    tasks = {}
+    for t in range(12):  # task t: chunk t, a missing chunk, chunk (t + 5) % 12
+        ids = [t, 1000 + t, (t + 5) % 12]
+        dst = [empty() for _ in ids]
+        tasks[adapter.submit_load_task([key(i) for i in ids], dst)] = (ids, dst)
+    deadline = time.monotonic() + 20
+    while tasks and time.monotonic() < deadline:
+        wait_fd(adapter.get_load_event_fd())
+        for tid in list(tasks):
+            bm = adapter.query_load_result(tid)
+            if bm is not None:
+                ids, dst = tasks.pop(tid)
+                assert list(bm.get_indices_list()) == [0, 2]
+                assert same(dst[0], srcs[ids[0]]) and same(dst[2], srcs[ids[2]])
+                assert not dst[1].tensor.view(torch.int16).any()
+    assert not tasks
+
+
 # -- threads, close ------------------------------------------------------------------------------
 
 
