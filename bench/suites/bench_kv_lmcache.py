@@ -28,11 +28,16 @@ time of the whole process, every thread of the adapter included):
   load    with the page cache dropped first: lookup-and-lock of every chunk,
           submit_load_task into the (zeroed) L1 buffers, unlock, as a prefetch
           does; every chunk must load and land where it belongs (checked)
+  churn   (--churn, aionvme only: LMCache's file adapters have no bound of
+          their own) store 10x a --churn-cap budget in new keys while another
+          thread looks up, loads and checks random keys written so far: every
+          load returns its bytes or a miss; peak disk use (allocated blocks)
 
 Each point runs every side and fio --repeat times, in rounds whose order
 rotates; the figures are medians.
 
     python3 bench/suites/bench_kv_lmcache.py --quick
+    python3 bench/suites/bench_kv_lmcache.py --churn --sizes 2M --churn-cap 256M
     python3 bench/suites/bench_kv_lmcache.py --dir /nvme --sizes 512K,2M,8M,32M \\
         --batches 1,8,32,128 --total 512M --repeat 3 --json out.json
 """
@@ -62,13 +67,14 @@ INFLIGHT = 8  # tasks in flight, as LMCache's prefetch_max_in_flight default
 SIDES = ("aionvme", "fs", "fs-odirect", "fs-native")
 
 
-def spec(side: str, d: str, total: int) -> dict[str, Any]:
+def spec(side: str, d: str, nvme: int) -> dict[str, Any]:
+    """The --l2-adapter JSON of a side; ``nvme``: aionvme's disk budget."""
     if side == "aionvme":
         return {
             "type": "plugin",
             "module_path": "aionvme.integrations.lmcache",
             "class_name": "AionvmeL2Adapter",
-            "adapter_params": {"path": d, "nvme": total + (64 << 20)},
+            "adapter_params": {"path": d, "nvme": nvme},
         }
     if side == "fs":
         return {"type": "fs", "base_path": d}
@@ -79,7 +85,7 @@ def spec(side: str, d: str, total: int) -> dict[str, Any]:
     raise SystemExit(f"unknown side {side!r} (known: {', '.join(SIDES)})")
 
 
-def make_adapter(side: str, d: str, total: int) -> Any:
+def make_adapter(side: str, d: str, nvme: int) -> Any:
     from lmcache.v1.distributed.l2_adapters import create_l2_adapter
     from lmcache.v1.distributed.l2_adapters.config import (
         add_l2_adapters_args,
@@ -87,7 +93,7 @@ def make_adapter(side: str, d: str, total: int) -> Any:
     )
 
     args = add_l2_adapters_args(argparse.ArgumentParser()).parse_args(
-        ["--l2-adapter", json.dumps(spec(side, d, total))]
+        ["--l2-adapter", json.dumps(spec(side, d, nvme))]
     )
     return create_l2_adapter(parse_args_to_l2_adapters_config(args).adapters[0])
 
@@ -170,7 +176,7 @@ def cpu() -> float:
 
 def measure(side: str, base: str, pool: Pool, batch: int) -> dict[str, Any]:
     d = tempfile.mkdtemp(prefix=f"{side}-", dir=base)
-    a = make_adapter(side, d, pool.n * pool.size)
+    a = make_adapter(side, d, pool.n * pool.size + (64 << 20))
     keys, objs = pool.keys, pool.objs
     batches = [list(range(i, min(pool.n, i + batch))) for i in range(0, pool.n, batch)]
     nbytes = pool.n * pool.size
@@ -240,6 +246,98 @@ def fio_read(base: str, total: int) -> dict[str, Any] | None:
     r = peers.fio(path, "read", "1M", 32, "libaio", total)
     os.unlink(path)
     return {"GBps": r.nbytes / r.wall_s / GB, "cpu_s_per_GB": (r.cpu_s or 0.0) / (r.nbytes / GB)}
+
+
+def churn(base: str, size: int, cap: int, factor: int, batch: int) -> dict[str, Any]:
+    """aionvme only (LMCache's file adapters have no bound of their own): store
+    ``factor`` times a ``cap``-byte budget in new keys, in tasks of ``batch``
+    chunks, while another thread looks up, loads and checks random keys
+    written so far. Every load must return its key's bytes or be a miss;
+    disk use (the files' allocated blocks) is read after every store task."""
+    import random
+    import threading
+
+    import torch
+
+    d = tempfile.mkdtemp(prefix="churn-", dir=base)
+    a = make_adapter("aionvme", d, cap)
+    src, dst = Pool(batch, size), Pool(batch, size)
+    n = factor * cap // size
+    written = [0]
+    stop = threading.Event()
+    stats = {"loads": 0, "hits": 0, "wrong": 0, "locked_not_loaded": 0}
+    errors: list[BaseException] = []
+
+    def stamp(pool: Pool, i: int, key_id: int) -> None:  # every page of chunk i starts with key_id
+        pool.marks[i * size // 4096 : (i + 1) * size // 4096].fill_(key_id)
+
+    def reader() -> None:
+        rng = random.Random(0)
+        fds = (a.get_lookup_and_lock_event_fd(), a.get_load_event_fd())
+        try:
+            while not stop.is_set():
+                ids = [rng.randrange(max(1, written[0])) for _ in range(batch)]
+                keys = [key_of(i) for i in ids]
+                tid = a.submit_lookup_and_lock_task(keys, {})
+                while (bm := a.query_lookup_and_lock_result(tid)) is None:
+                    _wait(fds[0])
+                hits = list(bm.get_indices_list())
+                dst.clear()
+                lid = a.submit_load_task([keys[i] for i in hits], [dst.objs[j] for j in range(len(hits))])
+                while (got := a.query_load_result(lid)) is None:
+                    _wait(fds[1])
+                a.submit_unlock([keys[i] for i in hits])
+                loaded = got.get_indices_list()
+                stats["loads"] += batch
+                stats["hits"] += len(loaded)
+                stats["locked_not_loaded"] += len(hits) - len(loaded)  # a lock must keep it loadable
+                for j in loaded:
+                    page = dst.marks[j * size // 4096 : (j + 1) * size // 4096]
+                    if not bool(torch.all(page == ids[hits[j]])):
+                        stats["wrong"] += 1
+        except BaseException as e:
+            errors.append(e)
+
+    from lmcache.v1.distributed.api import ObjectKey
+
+    def key_of(i: int) -> Any:
+        return ObjectKey(chunk_hash=i.to_bytes(32, "big"), model_name="bench/churn", kv_rank=0)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    peak, failed = 0, 0
+    t0 = time.perf_counter()
+    try:
+        for first in range(0, n, batch):
+            ids = list(range(first, min(n, first + batch)))
+            for j, i in enumerate(ids):
+                stamp(src, j, i)
+            res = run_tasks(
+                [ids],
+                lambda b: a.submit_store_task([key_of(i) for i in b], src.objs[: len(b)]),
+                a.get_store_event_fd(),
+                lambda live: a.pop_completed_store_tasks(),
+            )
+            failed += sum(not r.is_successful() for r in res.values())
+            written[0] = ids[-1] + 1
+            peak = max(peak, sum(os.stat(os.path.join(d, f)).st_blocks * 512 for f in os.listdir(d)))
+    finally:
+        stop.set()
+        t.join()
+        wall = time.perf_counter() - t0
+        a.close()
+        shutil.rmtree(d, ignore_errors=True)
+    if errors:
+        raise errors[0]
+    return {
+        "size": size,
+        "cap": cap,
+        "written_GB": n * size / GB,
+        "store_GBps": n * size / wall / GB,
+        "failed_store_tasks": failed,
+        "peak_disk_bytes": peak,
+        **stats,
+    }
 
 
 def median(runs: list[dict[str, Any]], key: str) -> float:
@@ -312,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sides", default=",".join(SIDES), help=f"adapters to run (of {', '.join(SIDES)})")
     p.add_argument("--repeat", type=int, default=3, help="rounds per point (medians)")
     p.add_argument("--quick", action="store_true", help="two small points, once: proves it runs")
+    p.add_argument("--churn", action="store_true", help="only the churn workload (see above)")
+    p.add_argument("--churn-cap", default="256M", help="the churn's disk budget (it writes 10x this)")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
     if a.quick:
@@ -328,6 +428,24 @@ def main(argv: list[str] | None = None) -> int:
         spec(s, "", 0)  # an unknown side stops here, before any I/O
     total = parse_size(a.total)
     base = tempfile.mkdtemp(prefix="aionvme-bench-kv-lmcache-", dir=local_scratch_dir(a.dir))
+    if a.churn:
+        cap = parse_size("32M" if a.quick else a.churn_cap)
+        try:
+            c = churn(base, sizes[0], cap, 10, 8)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+        print(
+            f"churn: {c['written_GB']:.2f} GB in {c['size'] / 2**20:.1f} MiB chunks"
+            f" (10x a {cap / 2**20:.0f} MiB budget) at {c['store_GBps']:.2f} GB/s,"
+            f" {c['failed_store_tasks']} store tasks failed; meanwhile"
+            f" {c['loads']} loads, {c['hits']} hits, {c['wrong']} wrong bytes,"
+            f" {c['locked_not_loaded']} locked but not loaded; peak disk use"
+            f" {c['peak_disk_bytes'] / 2**20:.1f} MiB"
+        )
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(c, f, indent=1)
+        return 1 if c["wrong"] or c["locked_not_loaded"] or c["peak_disk_bytes"] > cap else 0
     res: dict[str, Any] = {"total": total, "repeat": a.repeat, "cold": drop_caches() is None, "points": []}
     print(
         f"{total / 2**20:.0f} MiB per point, {a.repeat} rounds; page cache dropped before loads: "
