@@ -396,6 +396,7 @@ def test_load_tasks_in_flight_together_each_get_their_own_result(adapter: Aionvm
     queued behind running ones as one batch: each still gets its own bitmap."""
     srcs = [chunk(i) for i in range(12)]
     store(adapter, [key(i) for i in range(12)], srcs)
+    adapter.max_reads = 2  # 12 tasks, 2 reads at a time: the others wait and go together
     tasks = {}
     for t in range(12):  # task t: chunk t, a missing chunk, chunk (t + 5) % 12
         ids = [t, 1000 + t, (t + 5) % 12]
