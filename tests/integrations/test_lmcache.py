@@ -17,6 +17,8 @@ import contextlib
 import json
 import os
 import select
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -209,6 +211,22 @@ def test_bad_settings_are_a_value_error_naming_the_setting(params: dict[str, Any
                 )
             ).adapters[0]
         )
+
+
+def test_aionvme_never_imports_lmcache_and_without_it_says_what_to_install() -> None:
+    code = (
+        "import sys\n"
+        "import aionvme, aionvme.integrations\n"
+        "assert 'lmcache' not in sys.modules, 'import aionvme loaded lmcache'\n"
+        "sys.modules['lmcache'] = None  # as if not installed\n"
+        "try:\n"
+        "    import aionvme.integrations.lmcache\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "pip install --no-deps lmcache" in out.stdout
 
 
 def test_object_keys_map_to_distinct_store_keys() -> None:

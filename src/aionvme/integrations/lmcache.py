@@ -30,16 +30,22 @@ from concurrent.futures import Future
 from typing import Any
 
 # LMCache ships no type information (no py.typed): its names are Any to mypy.
-from lmcache.lmcache_native import Bitmap  # type: ignore[import-untyped,import-not-found,unused-ignore]
-from lmcache.v1.distributed.internal_api import (  # type: ignore[import-untyped,import-not-found,unused-ignore]
-    L2StoreResult,
-)
-from lmcache.v1.distributed.l2_adapters.base import (  # type: ignore[import-untyped,import-not-found,unused-ignore]
-    L2AdapterInterface,
-)
-from lmcache.v1.distributed.l2_adapters.config import (  # type: ignore[import-untyped,import-not-found,unused-ignore]
-    L2AdapterConfigBase,
-)
+try:
+    from lmcache.lmcache_native import Bitmap  # type: ignore[import-untyped,import-not-found,unused-ignore]
+    from lmcache.v1.distributed.internal_api import (  # type: ignore[import-untyped,import-not-found,unused-ignore]
+        L2StoreResult,
+    )
+    from lmcache.v1.distributed.l2_adapters.base import (  # type: ignore[import-untyped,import-not-found,unused-ignore]
+        L2AdapterInterface,
+    )
+    from lmcache.v1.distributed.l2_adapters.config import (  # type: ignore[import-untyped,import-not-found,unused-ignore]
+        L2AdapterConfigBase,
+    )
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        f"aionvme.integrations.lmcache needs LMCache's L2 adapter interface, which did not import ({e}); "
+        "install it with `pip install --no-deps lmcache` and the modules it imports (see the README)"
+    ) from e
 
 from ..defaults import parse_size
 from ..store import CorruptValueError, SyncTieredStore
