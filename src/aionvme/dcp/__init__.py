@@ -14,8 +14,17 @@ aionvme`` does not import it.
 
 from __future__ import annotations
 
+from ._dist import CheckpointBusyError, CheckpointMissingError, CheckpointPeerError
 from ._reader import CheckpointFormatError, Reader
 from ._stage import Stager
 from ._writer import Writer
 
-__all__ = ["CheckpointFormatError", "Reader", "Stager", "Writer"]
+__all__ = [
+    "CheckpointBusyError",
+    "CheckpointFormatError",
+    "CheckpointMissingError",
+    "CheckpointPeerError",
+    "Reader",
+    "Stager",
+    "Writer",
+]
