@@ -47,11 +47,15 @@ __all__ = [
     "send_file",
 ]
 
+
 class CheckpointBusyError(AionvmeError, BlockingIOError):
     """Another save is writing into this checkpoint directory."""
 
     def __init__(self, path: str) -> None:
         super().__init__(errno.EWOULDBLOCK, "another save is writing into this checkpoint directory", path)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # DCP pickles a rank's error to the others
+        return (type(self), (self.filename,))
 
 
 class CheckpointMissingError(AionvmeError, FileNotFoundError):
@@ -64,6 +68,9 @@ class CheckpointMissingError(AionvmeError, FileNotFoundError):
         super().__init__(
             errno.ENOENT, f"no live node holds {len(missing)} file(s) of this checkpoint: {listed}", path
         )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.filename, self.missing))
 
 
 class CheckpointPeerError(AionvmeError, OSError):
@@ -112,12 +119,15 @@ class Topology:
     extra: list[Any]  # by rank
 
     @classmethod
-    def gather(cls, path: str, is_coordinator: bool, extra: Any = None) -> Topology:
+    def gather(cls, path: str, is_coordinator: bool, extra: Any = None, missing_ok: bool = False) -> Topology:
         """All-gather (node, directory identity, coordinator?, extra) on
-        :func:`group`. ``path`` must exist; an error reading it is published
-        as the identity, so no rank leaves the collective early."""
+        :func:`group`. ``path`` must exist (unless ``missing_ok``: the ranks
+        of one node then share a place); an error reading it is published as
+        the identity, so no rank leaves the collective early."""
         try:
             ident: Any = dir_identity(path)
+        except FileNotFoundError:
+            ident = ("absent", node_id()) if missing_ok else f"{path} does not exist"
         except OSError as e:
             ident = f"unreadable: {e}"
         mine = (node_id(), ident, is_coordinator, extra)
