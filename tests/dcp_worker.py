@@ -187,9 +187,23 @@ def nodes_main() -> None:
     node = int(os.environ["GROUP_RANK"])
     own = dirs[node]
     foreign = _audit([d for d in dirs if d != own])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    # DCP_BACKEND=nccl (bench/gpu_check.sh, 2+ GPUs): an NCCL-only default
+    # group, so the checkpoint's bytes travel on the gloo group aionvme makes;
+    # the state is DTensors on the GPUs (no ShardedTensor: its spec is CPU).
+    backend = os.environ.get("DCP_BACKEND", "gloo")
+    dist.init_process_group(backend, timeout=timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    mesh = init_device_mesh("cuda" if backend == "nccl" else "cpu", (world,))
+
+    def state(mesh: Any, world: int, step: int, layout: str = "saved") -> dict[str, Any]:
+        sd = globals()["state"](mesh, world, step, layout)
+        if backend == "nccl":
+            del sd["model"]["st"]
+            sd["model"]["rep"] = sd["model"]["rep"].cuda()
+        return sd
+
     out: dict[str, Any] = {"node": node, "world": world}
     if scenario == "save":
         dcp.save(state(mesh, world, 100), storage_writer=aionvme.dcp.Writer(f"{own}/r2", replicas=2))

@@ -31,9 +31,11 @@ if not torch.distributed.is_available():  # pragma: no cover
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).parent))
+import aionvme.dcp  # noqa: E402
 from test_dcp_dist import _load_one_process  # noqa: E402
 
 WORKER = Path(__file__).with_name("dcp_worker.py")
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def _free_port() -> int:
@@ -42,10 +44,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _torchrun(nnodes: int, scenario: str, base: Path, dirs: list[Path]) -> list[dict[str, Any]]:
+def _torchrun(
+    nnodes: int, scenario: str, base: Path, dirs: list[Path], backend: str = "gloo"
+) -> list[dict[str, Any]]:
     port = _free_port()
     env = {
         **os.environ,
+        "DCP_BACKEND": backend,
         "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
         "OMP_NUM_THREADS": "1",
         "GLOO_SOCKET_IFNAME": "lo",
@@ -87,9 +92,31 @@ def _torchrun(nnodes: int, scenario: str, base: Path, dirs: list[Path]) -> list[
     return res
 
 
-def test_replicas_survive_a_lost_node_and_load_at_four_and_two_ranks(tmp_path: Path) -> None:
+def test_replicas_need_a_process_group(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="replicas must be"):
+        aionvme.dcp.Writer(tmp_path, replicas=0)
+    with pytest.raises(dcp.api.CheckpointException) as info:
+        dcp.save({"w": torch.ones(4)}, storage_writer=aionvme.dcp.Writer(tmp_path, replicas=2))
+    assert "replicas=2 needs a save by every rank" in str(info.value)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "gloo",
+        pytest.param(
+            "nccl",
+            marks=pytest.mark.skipif(
+                not (torch.cuda.is_available() and torch.cuda.device_count() >= 4),
+                reason="4 ranks on an NCCL-only default group need 4 GPUs; bench/gpu_check.sh runs it",
+            ),
+        ),
+    ],
+)
+def test_replicas_survive_a_lost_node_and_load_at_four_and_two_ranks(tmp_path: Path, backend: str) -> None:
     dirs = [tmp_path / "node0", tmp_path / "node1"]
-    saved = _torchrun(2, "save", tmp_path, dirs)
+    saved = _torchrun(2, "save", tmp_path, dirs, backend)
     for d in dirs:  # every node: .metadata and all four ranks' files (its own two and the other's)
         names = sorted(os.listdir(d / "r2"))
         assert ".metadata" in names and len([n for n in names if n.endswith(".distcp")]) == 4, names
@@ -107,7 +134,7 @@ def test_replicas_survive_a_lost_node_and_load_at_four_and_two_ranks(tmp_path: P
     lost = {n for n in os.listdir(dirs[0] / "r1") if n.endswith(".distcp")}
 
     shutil.rmtree(dirs[0])  # node 0 is lost
-    four = _torchrun(2, "load", tmp_path, dirs)
+    four = _torchrun(2, "load", tmp_path, dirs, backend)
     for r in four:
         assert r["missing"] == sorted(lost), (r["missing"], lost)
         assert r["missing_fqns"], r
@@ -116,5 +143,5 @@ def test_replicas_survive_a_lost_node_and_load_at_four_and_two_ranks(tmp_path: P
         else:
             assert r["stats"]["peer_bytes"] == 0, r["stats"]
     assert sum(r["stats"]["served_bytes"] for r in four) == sum(r["stats"]["peer_bytes"] for r in four)
-    two = _torchrun(1, "load", tmp_path, [dirs[1]])
+    two = _torchrun(1, "load", tmp_path, [dirs[1]], backend)
     assert all(r["stats"]["peer_bytes"] == 0 for r in two)

@@ -8,7 +8,10 @@
     fut = dcp.async_save(state_dict, storage_writer=aionvme.dcp.Writer("/nvme/ckpt/step200"))
 
 Checkpoints are in the format of torch's ``FileSystemWriter``: each loads with
-either reader. This module imports torch and torch.distributed; ``import
+either reader. In a process group the directory may be each node's own disk:
+``Writer(path, replicas=2)`` keeps every rank's data on two nodes, and
+``Reader(path)`` fetches what its node lacks from the others, at any world
+size. This module imports torch and torch.distributed; ``import
 aionvme`` does not import it.
 """
 

@@ -225,8 +225,26 @@ class Reader(StorageReader):
     ``FileSystemWriter``, with resharding (any number of ranks, DTensor and
     ShardedTensor state dicts), as ``FileSystemReader`` does.
 
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The checkpoint directory; in a process group, each node's own.
+    peers : bool or None, default None
+        Whether the ranks talk over the default process group; None: when it
+        is initialized with more than one rank. Pass False for
+        ``dcp.load(no_dist=True)`` in a group.
+
     Notes
     -----
+    In a process group, a node's directory need not hold the whole
+    checkpoint: what it lacks (``.metadata``, data files lost with a node
+    or never written there, as with ``Writer(replicas=...)`` or any save on
+    node-local disks) comes from a rank of a node that holds it, over the
+    process group (whole records; ``stats["peer_bytes"]``,
+    ``stats["served_bytes"]``). No rank opens another node's directory.
+    Files no live node holds raise :class:`CheckpointMissingError` on every
+    rank, naming them and their items.
+
     Per rank, each data file is read in two batched requests (see the
     module's documentation); tensor bytes go with O_DIRECT into the
     destination tensors when they can (a page-aligned destination, such as

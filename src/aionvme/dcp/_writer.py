@@ -264,7 +264,18 @@ class Writer(StorageWriter, Stager):
     Parameters
     ----------
     path : str or os.PathLike
-        The checkpoint directory (made if missing).
+        The checkpoint directory (made if missing). In a process group it may
+        be each node's own disk: the ranks of a node (torchrun's
+        ``GROUP_RANK``, else the host name) share it, and every node's
+        directory gets the ``.metadata``.
+    replicas : int, default 1
+        How many nodes keep each rank's data file: each node writes its
+        ranks' files and a copy of those of the ``replicas - 1`` nodes before
+        it (ring order: the nodes' lowest ranks), received over the process
+        group while its own writes run. Needs ``replicas`` node-local
+        directories and a save by every rank of the default group; 1 is the
+        plain format (the nodes' directories gathered into one load with
+        ``FileSystemReader``).
     sync_files : bool, default True
         fsync the data files, then their directory, before the metadata is
         committed. Without it a crash may leave a committed checkpoint whose
@@ -280,6 +291,11 @@ class Writer(StorageWriter, Stager):
         After the commit, remove the ``__*.distcp`` data files in ``path``
         that the new metadata does not name (those of the checkpoint it
         replaced, or of an interrupted save).
+    peers : bool or None, default None
+        Whether the ranks talk over the default process group (node
+        topology, replicas, metadata for every node); None: when it is
+        initialized with more than one rank and DCP saves on it. Pass False
+        for ``dcp.save(no_dist=True)`` in a group, or a save on a subgroup.
 
     Notes
     -----
@@ -295,6 +311,18 @@ class Writer(StorageWriter, Stager):
     is fsynced, then the directory. The coordinator then writes ``.metadata``
     atomically: a crash at any point leaves the previous checkpoint in
     ``path`` loadable, or the new one complete.
+
+    One save at a time per directory: the rank that commits a directory
+    holds an exclusive ``flock`` on it from its plan to its commit, so a
+    second save into it raises :class:`CheckpointBusyError` (inside DCP's
+    ``CheckpointException``) before any rank writes; the kernel drops the
+    lock with a killed process. Stale files are removed only under the lock,
+    so a committed ``.metadata`` names only files that exist.
+
+    With several nodes, every rank tells every other whether its part
+    succeeded before any node commits: a failure on one rank raises on all
+    (:class:`CheckpointPeerError` names it) and no directory's checkpoint
+    changes.
 
     The format is ``FileSystemWriter``'s: ``FileSystemReader`` loads these
     checkpoints and :class:`aionvme.dcp.Reader` loads torch's. The records'
