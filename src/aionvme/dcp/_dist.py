@@ -240,9 +240,11 @@ def send_file(pieces: list[tuple[Any, int]] | None, length: int, dst: int) -> li
     return works
 
 
-def recv_file(src: int) -> tuple[np.ndarray, int] | None:
-    """Receive what :func:`send_file` sent from ``src``: the file's bytes in
-    a page-aligned buffer (whole pages) and its length, or None."""
+def recv_file(src: int) -> tuple[np.ndarray, int, list[tuple[Any, int, int]]] | None:
+    """Start receiving what :func:`send_file` sent from ``src``: a
+    page-aligned buffer for the file (whole pages), its length, and per
+    piece (work, offset, size) in the order sent: a piece is in the buffer
+    once its work is waited for. None: the sender had no file."""
     grp = group()
     head = torch.empty(2, dtype=torch.int64)
     dist.recv(head, src, group=grp)
@@ -250,16 +252,14 @@ def recv_file(src: int) -> tuple[np.ndarray, int] | None:
     if n < 0:
         return None
     buf = empty(align_up(max(length, 1), PAGE))  # zero-filled: gaps are the sender's zero padding
+    pieces: list[tuple[Any, int, int]] = []
     if n:
         table = torch.empty(2 * n, dtype=torch.int64)
         dist.recv(table, src, group=grp)
         t = _u8(buf)
-        works: list[Any] = []
         for off, size in table.reshape(-1, 2).tolist():
+            if off < 0 or size < 0 or off + size > buf.size:
+                raise CheckpointPeerError(errno.EPROTO, f"rank {src} sent a piece outside its file")
             if size:
-                if off < 0 or off + size > buf.size:
-                    raise CheckpointPeerError(errno.EPROTO, f"rank {src} sent a piece outside its file")
-                works.append(dist.irecv(t[off : off + size], src, group=grp))
-        for w in works:
-            w.wait()
-    return buf, length
+                pieces.append((dist.irecv(t[off : off + size], src, group=grp), off, size))
+    return buf, length, pieces

@@ -132,35 +132,49 @@ class Peers:
             for i, (server, name, off, n) in enumerate(reqs)
             if server == topo.rank
         ]
-        err: BaseException | None = None
-        out: list[memoryview] = []
-        try:
-            out = background().run(_read_ranges(self.path, [rng for _, _, rng in serve]))
-        except Exception as e:
-            err = e
-        status: list[Any] = [None] * len(topo.nodes)
-        dist.all_gather_object(status, None if err is None else f"{type(err).__name__}: {err}", group=group())
-        if err is not None:
-            raise err
-        failed = [f"rank {r}: {e}" for r, e in enumerate(status) if e is not None]
-        if failed:
-            raise CheckpointPeerError(errno.EIO, "a rank could not read what it serves: " + "; ".join(failed))
+        # Every receive is posted first, every send is made whatever failed
+        # (zeros for what could not be read), so no rank waits for ever; the
+        # outcome is agreed on afterwards and all raise if a read failed.
+        grp = group()
         total = sum(n for _, _, _, n in mine)
         buf = memoryview(empty(max(total, 1)))
         got: list[memoryview] = []
         works: list[Any] = []
         pos = 0
-        grp = group()
         for i, (server, _, _, n) in enumerate(mine):
             got.append(buf[pos : pos + n])
             if n:
                 works.append(dist.irecv(_u8(got[-1]), server, group=grp, tag=i))
             pos += n
-        for (r, i, _), mem in zip(serve, out):
-            if len(mem):
-                works.append(dist.isend(_u8(mem), r, group=grp, tag=i))
+        by_file: dict[str, list[tuple[int, int, Range]]] = defaultdict(list)
+        for r, i, rng in serve:
+            by_file[rng[0]].append((r, i, rng))
+        bg = background()
+        reads = [
+            (items, bg.submit(_read_ranges(self.path, [rng for _, _, rng in items])))
+            for items in by_file.values()
+        ]
+        err: BaseException | None = None
+        served = 0
+        for items, fut in reads:  # each file's ranges go out as soon as they are read
+            try:
+                mems = fut.result()
+            except Exception as e:
+                err = err or e
+                mems = [memoryview(bytearray(rng[2])) for _, _, rng in items]
+            for (r, i, _), mem in zip(items, mems):
+                if len(mem):
+                    works.append(dist.isend(_u8(mem), r, group=grp, tag=i))
+                    served += len(mem)
         for w in works:
             w.wait()
+        status: list[Any] = [None] * len(topo.nodes)
+        dist.all_gather_object(status, None if err is None else f"{type(err).__name__}: {err}", group=grp)
+        if err is not None:
+            raise err
+        failed = [f"rank {r}: {e}" for r, e in enumerate(status) if e is not None]
+        if failed:
+            raise CheckpointPeerError(errno.EIO, "a rank could not read what it serves: " + "; ".join(failed))
         stats["peer_bytes"] += total
-        stats["served_bytes"] += sum(len(m) for m in out)
+        stats["served_bytes"] += served
         return got

@@ -508,8 +508,12 @@ class Reader(StorageReader):
                 planner.load_bytes(req, io.BytesIO(bytes(mem)))
                 continue
             if lay is None and parsed:
-                raw = bytes(mem)
-                lay = parse(raw, raw, len(raw))
+                n = len(mem)
+                if n > _SMALL:  # the archive's pickle is in its head, its directory in its tail
+                    lay = parse(bytes(mem[:_PROBE]), bytes(mem[n - _PROBE :]), n)
+                else:
+                    raw = bytes(mem)
+                    lay = parse(raw, raw, n)
             dest = dest_of(req)
             if lay is not None:
                 itemsize = torch.empty(0, dtype=lay.dtype).element_size()

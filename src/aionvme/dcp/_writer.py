@@ -25,6 +25,7 @@ no committed metadata names are removed.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import errno
 import io
@@ -210,6 +211,30 @@ async def _write_file(path: str, items: list[tuple[Any, int]], length: int, sync
         f.close()
 
 
+async def _write_received(
+    path: str, buf: np.ndarray, length: int, pieces: list[tuple[Any, int, int]], sync: bool
+) -> None:
+    """Write a file received from a peer piece by piece, each as soon as it
+    has arrived (pieces are whole pages at page offsets, as the sender's own
+    writes: the copy is the same file)."""
+    f = File(path, "x", block_size=defaults.bulk_write_block())
+    try:
+        writes = []
+        for work, off, size in pieces:
+            await asyncio.to_thread(work.wait)
+            writes.append(asyncio.ensure_future(f.pwrite(buf[off : off + size], off)))
+        try:
+            await asyncio.gather(*writes)
+        except BaseException:
+            await asyncio.gather(*writes, return_exceptions=True)  # none left writing from buf
+            raise
+        f.truncate(length)
+        if sync:
+            await f.fsync()
+    finally:
+        f.close()
+
+
 def write_replicated(
     path: str, layout: _Layout | None, topo: Topology, replicas: int, sync: bool, token: str
 ) -> BaseException | None:
@@ -232,9 +257,8 @@ def write_replicated(
         for src in topo.sources(topo.rank, replicas):
             got = recv_file(src)
             if got is not None:
-                buf, length = got
                 name = os.path.join(path, f"__{src}_{token}_0{SUFFIX}")
-                copies.append(bg.submit(_write_file(name, [(buf, 0)], length, sync)))
+                copies.append(bg.submit(_write_received(name, *got, sync)))
         for w in works:
             w.wait()
     except Exception as e:
