@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -32,16 +31,10 @@ if not torch.distributed.is_available():  # pragma: no cover
 
 sys.path.insert(0, str(Path(__file__).parent))
 import aionvme.dcp  # noqa: E402
-from test_dcp_dist import _load_one_process  # noqa: E402
+from test_dcp_dist import _free_port, _load_one_process  # noqa: E402
 
 WORKER = Path(__file__).with_name("dcp_worker.py")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _torchrun(
