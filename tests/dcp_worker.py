@@ -282,6 +282,35 @@ def main() -> None:
         dcp.load(got, storage_reader=rd)
         check(got, sd)
         out["stats"] = rd.stats
+    elif scenario == "nodefail":
+        # one rank per "node" (GROUP_RANK = rank), replicas=2: a save whose
+        # write fails on one rank raises on every rank and commits nowhere
+        import errno as _errno
+
+        from aionvme.dcp import _writer
+
+        os.environ["GROUP_RANK"] = str(rank)
+        own = f"{base}/node{rank}"
+        sd = state(mesh, world, 100)
+        dcp.save(sd, storage_writer=aionvme.dcp.Writer(own, replicas=2))
+        before = sorted(os.listdir(own))
+        real = _writer._write_file
+        if rank == world - 1:
+
+            async def full(*args: Any) -> None:
+                raise OSError(_errno.ENOSPC, "No space left on device (injected)", args[0])
+
+            _writer._write_file = full  # type: ignore[assignment]
+        try:
+            dcp.save(state(mesh, world, 200), storage_writer=aionvme.dcp.Writer(own, replicas=2))
+        except BaseException as e:
+            out["failed"] = type(e).__name__ + ": " + str(e)
+        _writer._write_file = real  # type: ignore[assignment]
+        out["kept"] = sorted(n for n in before if n not in os.listdir(own))  # files the failed save removed
+        load_and_check(own, state(mesh, world, 100, layout="resharded"), world, "ours")
+        dcp.save(state(mesh, world, 300), storage_writer=aionvme.dcp.Writer(own, replicas=2))
+        load_and_check(own, state(mesh, world, 300), world, "ours")
+        out["after"] = len([n for n in os.listdir(own) if n.endswith(".distcp")])
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     dist.barrier()

@@ -31,7 +31,7 @@ if not torch.distributed.is_available():  # pragma: no cover
 
 sys.path.insert(0, str(Path(__file__).parent))
 import aionvme.dcp  # noqa: E402
-from test_dcp_dist import _free_port, _load_one_process  # noqa: E402
+from test_dcp_dist import _free_port, _group, _load_one_process  # noqa: E402
 
 WORKER = Path(__file__).with_name("dcp_worker.py")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -138,3 +138,15 @@ def test_replicas_survive_a_lost_node_and_load_at_four_and_two_ranks(tmp_path: P
     assert sum(r["stats"]["served_bytes"] for r in four) == sum(r["stats"]["peer_bytes"] for r in four)
     two = _torchrun(1, "load", tmp_path, [dirs[1]], backend)
     assert all(r["stats"]["peer_bytes"] == 0 for r in two)
+
+
+def test_a_rank_failing_its_write_fails_the_save_everywhere_and_commits_nowhere(tmp_path: Path) -> None:
+    """Two ranks as two nodes, replicas=2: the last rank's write fails
+    (ENOSPC, injected) while the other's succeeds; both ranks' saves raise
+    (the peer's error named), neither directory's checkpoint changes (it
+    loads as before, nothing of it removed), and the next save cleans up."""
+    res = _group("nodefail", 2, tmp_path)
+    for r in res:
+        assert "ENOSPC" in r["failed"] or "No space left" in r["failed"], r["failed"]
+        assert r["kept"] == [], r
+        assert r["after"] == 2, r  # its own file and the other node's copy, nothing left over

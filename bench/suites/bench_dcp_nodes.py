@@ -87,9 +87,13 @@ def _worker(rank: int, world: int, port: str, base: str, per_rank: int, phase: s
         tiny = {f"rank{rank}.warm": torch.zeros(1024)}  # a process's first save pays DCP's imports
         dcp.save(tiny, storage_writer=aionvme.dcp.Writer(f"{own}/warm", replicas=2))
         dcp.save(tiny, storage_writer=dcp.FileSystemWriter(f"{base}/warm_torch"))
-        step(
-            "save_aionvme", lambda: dcp.save(sd, storage_writer=aionvme.dcp.Writer(f"{own}/ckpt", replicas=2))
-        )
+        one = aionvme.dcp.Writer(f"{own}/one", replicas=1)
+        step("save_aionvme_r1", lambda: dcp.save(sd, storage_writer=one))
+        dist.barrier()
+        if rank % per_node == 0:
+            shutil.rmtree(f"{own}/one")
+        ours = aionvme.dcp.Writer(f"{own}/ckpt", replicas=2)
+        step("save_aionvme", lambda: dcp.save(sd, storage_writer=ours))
         for tc in (1, 4):
             p = f"{base}/torch{tc}"
             step(
