@@ -208,6 +208,11 @@ def nodes_main() -> None:
     if scenario == "save":
         dcp.save(state(mesh, world, 100), storage_writer=aionvme.dcp.Writer(f"{own}/r2", replicas=2))
         dcp.save(state(mesh, world, 101), storage_writer=aionvme.dcp.Writer(f"{own}/r1"))
+        # async_save: our writer stages, the replicated save runs on DCP's thread
+        sd = state(mesh, world, 102)
+        fut = dcp.async_save(sd, storage_writer=aionvme.dcp.Writer(f"{own}/async", replicas=2))
+        sd["model"]["rep"].zero_()  # training goes on: the checkpoint holds the values of the call
+        fut.result()
         out["files"] = {d: sorted(os.listdir(f"{own}/{d}")) for d in ("r2", "r1")}
     elif scenario == "load":
         want = state(mesh, world, 100, layout="resharded")
@@ -216,6 +221,10 @@ def nodes_main() -> None:
         dcp.load(got, storage_reader=rd)
         check(got, want, "r2")
         out["stats"] = rd.stats
+        want = state(mesh, world, 102)
+        got = zeroed(want, world)
+        dcp.load(got, storage_reader=aionvme.dcp.Reader(f"{own}/async"))
+        check(got, want, "async")
         if world == 4:  # the replicas=1 checkpoint lost node 0's files: a typed error on every rank
             try:
                 rd1 = aionvme.dcp.Reader(f"{own}/r1")

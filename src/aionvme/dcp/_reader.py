@@ -231,8 +231,8 @@ class Reader(StorageReader):
         The checkpoint directory; in a process group, each node's own.
     peers : bool or None, default None
         Whether the ranks talk over the default process group; None: when it
-        is initialized with more than one rank. Pass False for
-        ``dcp.load(no_dist=True)`` in a group.
+        is initialized with more than one rank. Pass False for a load on a
+        subgroup, and for ``dcp.load(no_dist=True)`` in a group.
 
     Notes
     -----

@@ -318,8 +318,10 @@ class Writer(StorageWriter, Stager):
     peers : bool or None, default None
         Whether the ranks talk over the default process group (node
         topology, replicas, metadata for every node); None: when it is
-        initialized with more than one rank and DCP saves on it. Pass False
-        for ``dcp.save(no_dist=True)`` in a group, or a save on a subgroup.
+        initialized with more than one rank and DCP's rank for this save is
+        the default group's. Pass False for a save on a subgroup, and for
+        ``dcp.save(no_dist=True)`` in a group: these ranks' collectives would
+        wait for ranks that do not save.
 
     Notes
     -----
@@ -403,9 +405,10 @@ class Writer(StorageWriter, Stager):
         self.rank = kwargs.get("rank")
         self.use_collectives = kwargs.get("use_collectives", True)
         self._topo = None
-        # With peers, every rank of the default group takes part in this save
-        # (DCP passes the rank in the save's group: a subgroup's or no_dist's
-        # rank differs from the default group's on some rank, hence the check).
+        # With peers, every rank of the default group takes part in this save.
+        # DCP passes the rank in the save's group: where it differs from the
+        # default group's (no_dist, most subgroups) peers stay off by themselves;
+        # a subgroup that keeps the default ranks needs peers=False.
         peers = self.peers
         if peers is None:
             peers = distributed() and self.use_collectives and self.rank == dist.get_rank()
