@@ -150,3 +150,25 @@ def test_a_rank_failing_its_write_fails_the_save_everywhere_and_commits_nowhere(
         assert "ENOSPC" in r["failed"] or "No space left" in r["failed"], r["failed"]
         assert r["kept"] == [], r
         assert r["after"] == 2, r  # its own file and the other node's copy, nothing left over
+
+
+def test_replica_placement_is_a_ring_over_node_directories() -> None:
+    from aionvme.dcp._dist import Topology
+
+    def topo(nodes: list[str], places: list[list[int]]) -> Topology:
+        place_of = [next(g for g, p in enumerate(places) if r in p) for r in range(len(nodes))]
+        return Topology(0, nodes, places, place_of, [min(p) for p in places], 0, [None] * len(nodes))
+
+    t = topo(["0", "0", "1", "1", "2", "2"], [[0, 1], [2, 3], [4, 5]])
+    assert [t.targets(r, 2) for r in range(6)] == [[2], [3], [4], [5], [0], [1]]
+    assert [t.targets(r, 3) for r in range(2)] == [[2, 4], [3, 5]]
+    assert t.sources(0, 3) == [2, 4]
+    t.check_replicas(3, "/ckpt")
+    with pytest.raises(ValueError, match="replicas=4 needs 4 node-local directories"):
+        t.check_replicas(4, "/ckpt")
+    uneven = topo(["0", "0", "0", "1"], [[0, 1, 2], [3]])  # 3 ranks send to one: it takes them all
+    assert [uneven.targets(r, 2) for r in range(4)] == [[3], [3], [3], [0]]
+    with pytest.raises(ValueError, match="share the directory"):
+        topo(["0", "1", "2"], [[0, 1], [2]]).check_replicas(2, "/ckpt")
+    with pytest.raises(ValueError, match="name different directories"):
+        topo(["0", "0", "1"], [[0], [1], [2]]).check_replicas(2, "/ckpt")

@@ -165,6 +165,7 @@ class Topology:
                 f"(nodes {sorted(set(self.nodes))})"
             )
         if replicas > 1:
+            places_of: dict[str, set[int]] = {}
             for ranks in self.places:
                 nodes = {self.nodes[r] for r in ranks}
                 if len(nodes) > 1:
@@ -172,6 +173,13 @@ class Topology:
                         f"replicas={replicas}: nodes {sorted(nodes)} share the directory {path}; "
                         "replicas go to node-local directories"
                     )
+                places_of.setdefault(nodes.pop(), set()).add(min(ranks))
+            split = sorted(n for n, ps in places_of.items() if len(ps) > 1)
+            if split:  # a "replica" there could land on the same node
+                raise ValueError(
+                    f"replicas={replicas}: the ranks of node(s) {split} name different directories "
+                    f"as {path}; the ranks of a node share one"
+                )
 
     def targets(self, rank: int, replicas: int) -> list[int]:
         """The ranks that receive a copy of ``rank``'s file, one per other place."""
