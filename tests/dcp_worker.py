@@ -150,7 +150,104 @@ def async_save_and_check(mesh: Any, world: int, path: str) -> float:
     return blocked
 
 
+def _audit(others: list[str]) -> list[str]:
+    """Record the paths in the directories ``others`` (the other nodes')
+    this process opens, lists or makes."""
+    seen: list[str] = []
+    others = [os.path.realpath(o) for o in others]
+
+    def hook(event: str, args: tuple[Any, ...]) -> None:
+        if event in ("open", "os.listdir", "os.scandir", "os.mkdir") and args:
+            p = args[0]
+            if isinstance(p, bytes):
+                p = os.fsdecode(p)
+            if isinstance(p, str) and os.path.isabs(p):
+                p = os.path.realpath(p)
+                if any(p == o or p.startswith(o + os.sep) for o in others):
+                    seen.append(p)
+
+    sys.addaudithook(hook)
+    return seen
+
+
+def _missing_error(exc: BaseException) -> Any:
+    if isinstance(exc, aionvme.dcp.CheckpointMissingError):
+        return exc
+    for failure in getattr(exc, "failures", {}).values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, aionvme.dcp.CheckpointMissingError):
+            return inner
+    return None
+
+
+def nodes_main() -> None:
+    """Under torchrun: ``dcp_worker.py nodes SCENARIO BASE DIR0,DIR1,...``;
+    the node directory is DIRS[GROUP_RANK]."""
+    scenario, base, dirs = sys.argv[2], sys.argv[3], sys.argv[4].split(",")
+    node = int(os.environ["GROUP_RANK"])
+    own = dirs[node]
+    foreign = _audit([d for d in dirs if d != own])
+    # DCP_BACKEND=nccl (bench/gpu_check.sh, 2+ GPUs): an NCCL-only default
+    # group, so the checkpoint's bytes travel on the gloo group aionvme makes;
+    # the state is DTensors on the GPUs (no ShardedTensor: its spec is CPU).
+    backend = os.environ.get("DCP_BACKEND", "gloo")
+    dist.init_process_group(backend, timeout=timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    mesh = init_device_mesh("cuda" if backend == "nccl" else "cpu", (world,))
+
+    def state(mesh: Any, world: int, step: int, layout: str = "saved") -> dict[str, Any]:
+        sd = globals()["state"](mesh, world, step, layout)
+        if backend == "nccl":
+            del sd["model"]["st"]
+            sd["model"]["rep"] = sd["model"]["rep"].cuda()
+        return sd
+
+    out: dict[str, Any] = {"node": node, "world": world}
+    if scenario == "save":
+        dcp.save(state(mesh, world, 100), storage_writer=aionvme.dcp.Writer(f"{own}/r2", replicas=2))
+        dcp.save(state(mesh, world, 101), storage_writer=aionvme.dcp.Writer(f"{own}/r1"))
+        # async_save: our writer stages, the replicated save runs on DCP's thread
+        sd = state(mesh, world, 102)
+        fut = dcp.async_save(sd, storage_writer=aionvme.dcp.Writer(f"{own}/async", replicas=2))
+        sd["model"]["rep"].zero_()  # training goes on: the checkpoint holds the values of the call
+        fut.result()
+        out["files"] = {d: sorted(os.listdir(f"{own}/{d}")) for d in ("r2", "r1")}
+    elif scenario == "load":
+        want = state(mesh, world, 100, layout="resharded")
+        got = zeroed(want, world)
+        rd = aionvme.dcp.Reader(f"{own}/r2")
+        dcp.load(got, storage_reader=rd)
+        check(got, want, "r2")
+        out["stats"] = rd.stats
+        want = state(mesh, world, 102)
+        got = zeroed(want, world)
+        dcp.load(got, storage_reader=aionvme.dcp.Reader(f"{own}/async"))
+        check(got, want, "async")
+        if world == 4:  # the replicas=1 checkpoint lost node 0's files: a typed error on every rank
+            try:
+                rd1 = aionvme.dcp.Reader(f"{own}/r1")
+                dcp.load(zeroed(state(mesh, world, 101), world), storage_reader=rd1)
+            except BaseException as e:
+                err = _missing_error(e)
+                if err is None:
+                    raise
+                out["missing"] = sorted(err.missing)
+                out["missing_fqns"] = sorted(f for fqns in err.missing.values() for f in fqns)
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")
+    dist.barrier()
+    dist.destroy_process_group()
+    out["foreign"] = list(foreign)
+    with open(f"{base}/result-{scenario}-{world}-{rank}.json", "w") as fh:
+        json.dump(out, fh)
+
+
 def main() -> None:
+    if sys.argv[1] == "nodes":
+        nodes_main()
+        return
     scenario, rank, world, port, base = (
         sys.argv[1],
         int(sys.argv[2]),
@@ -194,6 +291,35 @@ def main() -> None:
         dcp.load(got, storage_reader=rd)
         check(got, sd)
         out["stats"] = rd.stats
+    elif scenario == "nodefail":
+        # one rank per "node" (GROUP_RANK = rank), replicas=2: a save whose
+        # write fails on one rank raises on every rank and commits nowhere
+        import errno as _errno
+
+        from aionvme.dcp import _writer
+
+        os.environ["GROUP_RANK"] = str(rank)
+        own = f"{base}/node{rank}"
+        sd = state(mesh, world, 100)
+        dcp.save(sd, storage_writer=aionvme.dcp.Writer(own, replicas=2))
+        before = sorted(os.listdir(own))
+        real = _writer._write_file
+        if rank == world - 1:
+
+            async def full(*args: Any) -> None:
+                raise OSError(_errno.ENOSPC, "No space left on device (injected)", args[0])
+
+            _writer._write_file = full  # type: ignore[assignment]
+        try:
+            dcp.save(state(mesh, world, 200), storage_writer=aionvme.dcp.Writer(own, replicas=2))
+        except BaseException as e:
+            out["failed"] = type(e).__name__ + ": " + str(e)
+        _writer._write_file = real  # type: ignore[assignment]
+        out["kept"] = sorted(n for n in before if n not in os.listdir(own))  # files the failed save removed
+        load_and_check(own, state(mesh, world, 100, layout="resharded"), world, "ours")
+        dcp.save(state(mesh, world, 300), storage_writer=aionvme.dcp.Writer(own, replicas=2))
+        load_and_check(own, state(mesh, world, 300), world, "ours")
+        out["after"] = len([n for n in os.listdir(own) if n.endswith(".distcp")])
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     dist.barrier()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import io
 import math
 import os
@@ -37,10 +38,13 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from .._runtime.background import background
 from ..exceptions import AionvmeError
 from ..file import File
 from ..memory import empty
 from ._common import METADATA, PAGE, align_up, run
+from ._dist import distributed
+from ._fetch import Peers
 from ._record import Layout, parse, template
 
 __all__ = ["CheckpointFormatError", "Reader"]
@@ -221,8 +225,26 @@ class Reader(StorageReader):
     ``FileSystemWriter``, with resharding (any number of ranks, DTensor and
     ShardedTensor state dicts), as ``FileSystemReader`` does.
 
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The checkpoint directory; in a process group, each node's own.
+    peers : bool or None, default None
+        Whether the ranks talk over the default process group; None: when it
+        is initialized with more than one rank. Pass False for a load on a
+        subgroup, and for ``dcp.load(no_dist=True)`` in a group.
+
     Notes
     -----
+    In a process group, a node's directory need not hold the whole
+    checkpoint: what it lacks (``.metadata``, data files lost with a node
+    or never written there, as with ``Writer(replicas=...)`` or any save on
+    node-local disks) comes from a rank of a node that holds it, over the
+    process group (whole records; ``stats["peer_bytes"]``,
+    ``stats["served_bytes"]``). No rank opens another node's directory.
+    Files no live node holds raise :class:`CheckpointMissingError` on every
+    rank, naming them and their items.
+
     Per rank, each data file is read in two batched requests (see the
     module's documentation); tensor bytes go with O_DIRECT into the
     destination tensors when they can (a page-aligned destination, such as
@@ -232,14 +254,24 @@ class Reader(StorageReader):
     :class:`CheckpointFormatError`.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, peers: bool | None = None) -> None:
         super().__init__()
         self.path = os.fspath(path)
+        self.peers = peers
+        self._peers: Peers | None = None
         self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
         self.rank: int | None = None
         self._metadata: Metadata | None = None
         self._planner: LoadPlanner | None = None
-        self.stats = {"files": 0, "requests": 0, "direct_bytes": 0, "scratch_bytes": 0, "fallbacks": 0}
+        self.stats = {
+            "files": 0,
+            "requests": 0,
+            "direct_bytes": 0,
+            "scratch_bytes": 0,
+            "fallbacks": 0,
+            "peer_bytes": 0,
+            "served_bytes": 0,
+        }
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}
@@ -249,8 +281,15 @@ class Reader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         name = METADATA if rank is None else f"__{rank}{METADATA}"
-        with open(os.path.join(self.path, name), "rb") as fh:
-            metadata = pickle.load(fh)
+        self._peers = None
+        peers = self.peers if self.peers is not None else distributed()
+        if peers and rank is None:
+            # Collective: DCP calls read_metadata (without rank) on every rank.
+            self._peers = Peers(self.path)
+            metadata = pickle.loads(self._peers.metadata())
+        else:
+            with open(os.path.join(self.path, name), "rb") as fh:
+                metadata = pickle.load(fh)
         if not isinstance(metadata, Metadata):
             raise CheckpointFormatError(f"{os.path.join(self.path, name)} holds no checkpoint Metadata")
         if getattr(metadata, "storage_meta", None) is None:
@@ -265,6 +304,13 @@ class Reader(StorageReader):
         self.storage_data = metadata.storage_data
         self._metadata = metadata
         self.rank = kwargs.get("rank")
+        if self._peers is not None:
+            where: dict[str, list[str]] = {}
+            for index, info in self.storage_data.items():
+                where.setdefault(info.relative_path, []).append(index.fqn)
+            self._peers.check(where)
+            if self._peers.all_local(set(where)):
+                self._peers = None  # every directory holds every file: nothing to fetch
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -285,12 +331,41 @@ class Reader(StorageReader):
             rec.reqs.append(req)
         self._planner = planner
         try:
-            run(self._read_all(per_file, planner))
+            if self._peers is None:
+                run(self._read_all(per_file, planner))
+            else:
+                self._read_with_peers(self._peers, per_file, planner)
         finally:
             self._planner = None
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _read_with_peers(
+        self, peers: Peers, per_file: dict[str, dict[tuple[int, int], _Record]], planner: LoadPlanner
+    ) -> None:
+        """Read what this directory holds while the records it lacks arrive
+        from the ranks that hold them (whole records), then load those."""
+        local = {n: recs for n, recs in per_file.items() if peers.holds(n)}
+        remote = [r for n, recs in per_file.items() if not peers.holds(n) for r in recs.values()]
+        reading = background().submit(self._read_all(local, planner))
+        try:
+            wanted = [(r.info.relative_path, r.info.offset, r.info.length) for r in remote]
+            got = peers.fetch(wanted, self.stats)
+        except BaseException:
+            reading.cancel()
+            with contextlib.suppress(BaseException):
+                reading.result()
+            raise
+        reading.result()
+        run(self._load_records(remote, got, planner))
+
+    async def _load_records(self, recs: list[_Record], mems: list[memoryview], planner: LoadPlanner) -> None:
+        done: list[tuple[ReadItem, torch.Tensor]] = []
+        for r, mem in zip(recs, mems):
+            await self._from_memory(r, mem, done, lambda req: self._dest(planner, req))
+        for req, d in done:
+            planner.commit_tensor(req, d)
 
     async def _read_all(
         self, per_file: dict[str, dict[tuple[int, int], _Record]], planner: LoadPlanner
@@ -433,8 +508,12 @@ class Reader(StorageReader):
                 planner.load_bytes(req, io.BytesIO(bytes(mem)))
                 continue
             if lay is None and parsed:
-                raw = bytes(mem)
-                lay = parse(raw, raw, len(raw))
+                n = len(mem)
+                if n > _SMALL:  # the archive's pickle is in its head, its directory in its tail
+                    lay = parse(bytes(mem[:_PROBE]), bytes(mem[n - _PROBE :]), n)
+                else:
+                    raw = bytes(mem)
+                    lay = parse(raw, raw, n)
             dest = dest_of(req)
             if lay is not None:
                 itemsize = torch.empty(0, dtype=lay.dtype).element_size()

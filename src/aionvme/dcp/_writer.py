@@ -25,7 +25,9 @@ no committed metadata names are removed.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import errno
 import io
 import os
 import pickle
@@ -37,6 +39,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
@@ -44,10 +47,12 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .. import defaults
+from .._runtime.background import background
 from ..atomic import atomic_write, fsync_dir
 from ..file import File
 from ..memory import empty
 from ._common import METADATA, PAGE, SUFFIX, run
+from ._dist import CheckpointPeerError, SaveLock, Topology, distributed, group, recv_file, send_file
 from ._record import template
 from ._stage import Stager, small_pages
 
@@ -63,6 +68,7 @@ class _Prefix:
     """SavePlan.storage_data: the file name prefix of one rank in one save."""
 
     prefix: str
+    token: str = ""
 
 
 class _Pages:
@@ -184,20 +190,90 @@ class _Layout:
         self.pos = start + length
 
 
-async def _write_file(path: str, layout: _Layout, sync: bool) -> None:
+def _items(layout: _Layout) -> list[tuple[Any, int]]:
+    """What to write for a layout: (bytes, file offset), sorted and disjoint."""
     items: list[tuple[Any, int]] = list(layout.bodies)
     items += layout.pages.buffers()
     items.sort(key=lambda it: it[1])
+    return items
+
+
+async def _write_file(path: str, items: list[tuple[Any, int]], length: int, sync: bool) -> None:
     # "x": a fresh, randomly named file; O_EXCL never follows a link planted at its name
     f = File(path, "x", block_size=defaults.bulk_write_block())
     try:
         if items:
             await f.pwrite_many(items)
-        f.truncate(layout.pos)  # the last page was written whole
+        f.truncate(length)  # the last page was written whole
         if sync:
             await f.fsync()
     finally:
         f.close()
+
+
+async def _write_received(
+    path: str, buf: np.ndarray, length: int, pieces: list[tuple[Any, int, int]], sync: bool
+) -> None:
+    """Write a file received from a peer piece by piece, each as soon as it
+    has arrived (pieces are whole pages at page offsets, as the sender's own
+    writes: the copy is the same file)."""
+    f = File(path, "x", block_size=defaults.bulk_write_block())
+    try:
+        writes = []
+        for work, off, size in pieces:
+            await asyncio.to_thread(work.wait)
+            writes.append(asyncio.ensure_future(f.pwrite(buf[off : off + size], off)))
+        try:
+            await asyncio.gather(*writes)
+        except BaseException:
+            await asyncio.gather(*writes, return_exceptions=True)  # none left writing from buf
+            raise
+        f.truncate(length)
+        if sync:
+            await f.fsync()
+    finally:
+        f.close()
+
+
+def write_replicated(
+    path: str, layout: _Layout | None, topo: Topology, replicas: int, sync: bool, token: str
+) -> BaseException | None:
+    """Write this rank's file (``layout``; None when building it failed)
+    into ``path`` while its bytes go to the ranks keeping its replicas, and
+    write the files received from the ranks whose replicas this rank keeps
+    (each under its sender's name). Every send and receive is made whatever
+    failed, so no peer waits for ever; returns the first error (or None)."""
+    err: BaseException | None = None
+    bg = background()
+    items = _items(layout) if layout is not None else None
+    local = None
+    if layout is not None and items is not None:
+        local = bg.submit(_write_file(os.path.join(path, layout.relative_path), items, layout.pos, sync))
+    copies = []
+    try:
+        works = []
+        for dst in topo.targets(topo.rank, replicas):
+            works += send_file(items, layout.pos if layout is not None else 0, dst)
+        for src in topo.sources(topo.rank, replicas):
+            got = recv_file(src)
+            if got is not None:
+                name = os.path.join(path, f"__{src}_{token}_0{SUFFIX}")
+                copies.append(bg.submit(_write_received(name, *got, sync)))
+        for w in works:
+            w.wait()
+    except Exception as e:
+        err = e
+    for fut in ([local] if local is not None else []) + copies:
+        try:
+            fut.result()
+        except Exception as e:
+            err = err or e
+    if err is None and sync:
+        try:
+            fsync_dir(path)  # the new files' entries, before any metadata names them
+        except OSError as e:
+            err = e
+    return err
 
 
 class Writer(StorageWriter, Stager):
@@ -212,7 +288,18 @@ class Writer(StorageWriter, Stager):
     Parameters
     ----------
     path : str or os.PathLike
-        The checkpoint directory (made if missing).
+        The checkpoint directory (made if missing). In a process group it may
+        be each node's own disk: the ranks of a node (torchrun's
+        ``GROUP_RANK``, else the host name) share it, and every node's
+        directory gets the ``.metadata``.
+    replicas : int, default 1
+        How many nodes keep each rank's data file: each node writes its
+        ranks' files and a copy of those of the ``replicas - 1`` nodes before
+        it (ring order: the nodes' lowest ranks), received over the process
+        group while its own writes run. Needs ``replicas`` node-local
+        directories and a save by every rank of the default group; 1 is the
+        plain format (the nodes' directories gathered into one load with
+        ``FileSystemReader``).
     sync_files : bool, default True
         fsync the data files, then their directory, before the metadata is
         committed. Without it a crash may leave a committed checkpoint whose
@@ -228,6 +315,13 @@ class Writer(StorageWriter, Stager):
         After the commit, remove the ``__*.distcp`` data files in ``path``
         that the new metadata does not name (those of the checkpoint it
         replaced, or of an interrupted save).
+    peers : bool or None, default None
+        Whether the ranks talk over the default process group (node
+        topology, replicas, metadata for every node); None: when it is
+        initialized with more than one rank and DCP's rank for this save is
+        the default group's. Pass False for a save on a subgroup, and for
+        ``dcp.save(no_dist=True)`` in a group: these ranks' collectives would
+        wait for ranks that do not save.
 
     Notes
     -----
@@ -243,6 +337,18 @@ class Writer(StorageWriter, Stager):
     is fsynced, then the directory. The coordinator then writes ``.metadata``
     atomically: a crash at any point leaves the previous checkpoint in
     ``path`` loadable, or the new one complete.
+
+    One save at a time per directory: the rank that commits a directory
+    holds an exclusive ``flock`` on it from its plan to its commit, so a
+    second save into it raises :class:`CheckpointBusyError` (inside DCP's
+    ``CheckpointException``) before any rank writes; the kernel drops the
+    lock with a killed process. Stale files are removed only under the lock,
+    so a committed ``.metadata`` names only files that exist.
+
+    With several nodes, every rank tells every other whether its part
+    succeeded before any node commits: a failure on one rank raises on all
+    (:class:`CheckpointPeerError` names it) and no directory's checkpoint
+    changes.
 
     The format is ``FileSystemWriter``'s: ``FileSystemReader`` loads these
     checkpoints and :class:`aionvme.dcp.Reader` loads torch's. The records'
@@ -260,42 +366,90 @@ class Writer(StorageWriter, Stager):
         self,
         path: str | os.PathLike[str],
         *,
+        replicas: int = 1,
         sync_files: bool = True,
         overwrite: bool = True,
         cache_staged_state_dict: bool = False,
         remove_stale: bool = True,
+        peers: bool | None = None,
     ) -> None:
         StorageWriter.__init__(self)
         Stager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+            raise ValueError(f"replicas must be an int >= 1, not {replicas!r}")
         self.path = os.fspath(path)
+        self.replicas = replicas
         self.sync_files = sync_files
         self.overwrite = overwrite
         self.remove_stale = remove_stale
+        self.peers = peers
         self.save_id = str(uuid.uuid4())
         self.rank: int | None = None
         self.use_collectives = True
         self.is_coordinator = False
+        self._topo: Topology | None = None
+        self._lock: SaveLock | None = None
+        self._token = ""
 
     # -- StorageWriter -------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._unlock()  # a save that failed on another rank never reached finish
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
         self.save_id = str(uuid.uuid4())
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._unlock()
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank")
         self.use_collectives = kwargs.get("use_collectives", True)
+        self._topo = None
+        # With peers, every rank of the default group takes part in this save.
+        # DCP passes the rank in the save's group: where it differs from the
+        # default group's (no_dist, most subgroups) peers stay off by themselves;
+        # a subgroup that keeps the default ranks needs peers=False.
+        peers = self.peers
+        if peers is None:
+            peers = distributed() and self.use_collectives and self.rank == dist.get_rank()
+        if peers:
+            err = None
+            try:
+                os.makedirs(self.path, exist_ok=True)
+            except OSError as e:
+                err = e
+            self._topo = Topology.gather(self.path, is_coordinator)  # collective: reached even after err
+            if err is not None:
+                raise err
+            self._topo.check_replicas(self.replicas, self.path)
+        elif self.replicas > 1:
+            raise ValueError(
+                f"replicas={self.replicas} needs a save by every rank of the default process group "
+                "(torch.distributed initialized, use_collectives=True)"
+            )
 
     def _metadata_path(self, rank: int | None = None) -> str:
         name = METADATA if rank is None else f"__{rank}{METADATA}"
         return os.path.join(self.path, name)
 
+    def _leads(self) -> bool:
+        """Whether this rank commits and cleans up its directory."""
+        return self._topo.leader if self._topo is not None else self.is_coordinator
+
+    def _unlock(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
+
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         os.makedirs(self.path, exist_ok=True)
         existing = self._metadata_path(None if self.use_collectives else 0)
+        if self.use_collectives and self._leads():
+            # Held until this directory's metadata is committed: a second save
+            # into it raises CheckpointBusyError now, before any rank writes.
+            self._lock = SaveLock(self.path)
         if os.path.exists(existing) and not self.overwrite:
+            self._unlock()
             raise FileExistsError(f"a checkpoint exists in {self.path} and overwrite=False")
         if self.rank is not None and not self.use_collectives:
             plan = dataclasses.replace(plan, storage_data=_Prefix(f"__{self.rank}_{secrets.token_hex(4)}_"))
@@ -304,17 +458,18 @@ class Writer(StorageWriter, Stager):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         token = secrets.token_hex(4)
         return [
-            dataclasses.replace(p, storage_data=_Prefix(f"__{i}_{token}_")) if p.storage_data is None else p
+            dataclasses.replace(p, storage_data=_Prefix(f"__{i}_{token}_", token))
+            if p.storage_data is None
+            else p
             for i, p in enumerate(plans)
         ]
 
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+    def _layout(self, plan: SavePlan, planner: SavePlanner) -> _Layout:
         storage = plan.storage_data
         prefix = (
             storage.prefix if isinstance(storage, _Prefix) else f"__{self.rank or 0}_{secrets.token_hex(4)}_"
         )
-        name = f"{prefix}0{SUFFIX}"
-        layout = _Layout(name)
+        layout = _Layout(f"{prefix}0{SUFFIX}")
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
                 layout.add_bytes(item, planner.resolve_data(item))
@@ -324,28 +479,94 @@ class Writer(StorageWriter, Stager):
                 if not isinstance(data, torch.Tensor):
                     raise TypeError(f"{item.index.fqn}: the planner resolved a tensor item to {type(data)}")
                 layout.add_tensor(item, data)
-        run(_write_file(os.path.join(self.path, name), layout, self.sync_files))
-        if self.sync_files:
-            fsync_dir(self.path)  # the new file's directory entry, before any metadata names it
+        return layout
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        if self._topo is not None and (self.replicas > 1 or len(self._topo.places) > 1):
+            results = self._write_with_peers(plan, planner, self._topo)
+        else:
+            try:
+                layout = self._layout(plan, planner)
+                path = os.path.join(self.path, layout.relative_path)
+                run(_write_file(path, _items(layout), layout.pos, self.sync_files))
+                if self.sync_files:
+                    fsync_dir(self.path)  # the new file's directory entry, before any metadata names it
+            except BaseException:
+                self._unlock()
+                raise
+            results = layout.results
         fut: Future[list[WriteResult]] = Future()
-        fut.set_result(layout.results)
+        fut.set_result(results)
         return fut
 
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+    def _write_with_peers(self, plan: SavePlan, planner: SavePlanner, topo: Topology) -> list[WriteResult]:
+        """This rank's file, written here while its bytes go to the ranks
+        that keep its replicas and the files of the ranks it keeps replicas
+        of arrive; then every rank learns every rank's outcome, and each
+        place's leader commits the metadata there (the coordinator's place
+        in :meth:`finish`)."""
+        err: BaseException | None = None
+        layout: _Layout | None = None
+        self._token = plan.storage_data.token if isinstance(plan.storage_data, _Prefix) else ""
+        try:
+            layout = self._layout(plan, planner)
+        except Exception as e:
+            err = e
+        try:
+            failure = write_replicated(self.path, layout, topo, self.replicas, self.sync_files, self._token)
+            err = failure or err
+            mine = None if err is None else f"{type(err).__name__}: {err}"
+            everyone: list[Any] = [None] * len(topo.nodes)
+            dist.all_gather_object(everyone, (mine, layout.results if layout else []), group=group())
+            results = [r for _, r in everyone]
+            failed = [f"rank {r}: {e}" for r, (e, _) in enumerate(everyone) if e is not None]
+            if err is not None:
+                raise err
+            if failed:
+                raise CheckpointPeerError(errno.EIO, "a rank's part of the save failed: " + "; ".join(failed))
+            md = getattr(planner, "metadata", None) if self.is_coordinator else None
+            box = [pickle.dumps(self._final_metadata(md, results)) if isinstance(md, Metadata) else None]
+            dist.broadcast_object_list(box, src=topo.coordinator, group=group())
+            if topo.leader and not self.is_coordinator:
+                if box[0] is None:
+                    raise CheckpointPeerError(
+                        errno.EINVAL, "the coordinator's planner exposes no metadata to send to this node"
+                    )
+                self._commit(box[0], results)
+        except BaseException:
+            self._unlock()
+            raise
+        if not self.is_coordinator:
+            self._unlock()
+        return layout.results if layout else []
+
+    def _final_metadata(self, metadata: Metadata, results: list[list[WriteResult]]) -> Metadata:
         metadata.version = "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION
         storage_md = {}
         for wr_list in results:
             storage_md.update({wr.index: wr.storage_data for wr in wr_list})
         metadata.storage_data = storage_md
         metadata.storage_meta = self.storage_meta()
-        rank_local = not self.use_collectives and self.rank is not None
-        target = self._metadata_path(self.rank if rank_local else None)
-        raw = pickle.dumps(metadata)
-        with atomic_write(target, durable=self.sync_files) as f:
+        return metadata
+
+    def _commit(self, raw: bytes, results: list[list[WriteResult]], target: str | None = None) -> None:
+        """Write ``.metadata`` atomically, then remove the data files it does
+        not name (under this directory's save lock, so only leftovers of
+        earlier saves: never a file a committed metadata names)."""
+        with atomic_write(target or self._metadata_path(), durable=self.sync_files) as f:
             if raw:
                 f.sync_pwrite(raw, 0)
-        if self.remove_stale and not rank_local:
-            self._remove_stale({info.relative_path for info in storage_md.values()})
+        if self.remove_stale and target is None:
+            self._remove_stale({wr.storage_data.relative_path for rs in results for wr in rs})
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        try:
+            metadata = self._final_metadata(metadata, results)
+            rank_local = not self.use_collectives and self.rank is not None
+            target = self._metadata_path(self.rank) if rank_local else None
+            self._commit(pickle.dumps(metadata), results, target)
+        finally:
+            self._unlock()
 
     def _remove_stale(self, referenced: set[str]) -> None:
         try:

@@ -1,0 +1,180 @@
+"""What a node's checkpoint directory lacks, fetched from a node that holds it.
+
+Used by :class:`aionvme.dcp.Reader` when it loads in a process group. In
+``read_metadata`` every rank publishes what its directory holds (whether it
+has ``.metadata``, which data files); a rank whose directory has no
+``.metadata`` gets it from the first rank that has one. Every rank then knows
+every directory's files, so all agree on what no live node holds (a typed
+error naming the files and their items) and on who serves what: a record
+(one item's bytes in one data file) missing here is read by one rank of the
+nearest place that holds its file (in ring order, spread over that place's
+ranks by file) and sent over the process group. No rank opens anything but
+its own directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._runtime.background import background
+from ..file import File
+from ..memory import empty
+from ._common import METADATA, PAGE, SUFFIX, align_up
+from ._dist import CheckpointMissingError, CheckpointPeerError, Topology, group
+
+__all__ = ["Peers"]
+
+Range = tuple[str, int, int]  # (data file, offset, length)
+
+
+def _u8(mem: Any) -> torch.Tensor:
+    return torch.frombuffer(mem, dtype=torch.uint8)
+
+
+async def _read_ranges(path: str, ranges: list[Range]) -> list[memoryview]:
+    """The bytes of ``ranges`` of files in ``path``, one batched request per
+    file, each range read from the page boundary before it into page-aligned
+    memory (so the aligned middle goes with O_DIRECT)."""
+    place, total = [], 0
+    for _, off, n in ranges:
+        first = off // PAGE * PAGE
+        place.append((total, first, off + n - first))
+        total += align_up(off + n - first)
+    mem = memoryview(empty(max(total, PAGE)))
+    by_file: dict[str, list[tuple[Any, int]]] = defaultdict(list)
+    for (name, _, _), (p, first, size) in zip(ranges, place):
+        by_file[name].append((mem[p : p + size], first))
+    for name, batch in by_file.items():
+        with File(os.path.join(path, name), "r") as f:
+            batch.sort(key=lambda it: it[1])
+            await f.pread_many(batch)
+    return [mem[p + off - first : p + off - first + n] for (_, off, n), (p, first, _) in zip(ranges, place)]
+
+
+class Peers:
+    """One load's view of the process group: every directory's files."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.topo: Topology | None = None
+        self.files: list[set[str]] = []  # by place
+
+    def metadata(self) -> bytes:
+        """This directory's ``.metadata``, or the first other rank's
+        (collective: every rank of the default group calls it)."""
+        raw: bytes | None = None
+        names: list[str] = []
+        with contextlib.suppress(OSError), open(os.path.join(self.path, METADATA), "rb") as fh:
+            raw = fh.read()
+        with contextlib.suppress(OSError):
+            names = sorted(n for n in os.listdir(self.path) if n.endswith(SUFFIX))
+        self.topo = topo = Topology.gather(self.path, dist.get_rank() == 0, (raw is not None, names), True)
+        self.files = [set().union(*(topo.extra[r][1] for r in ranks)) for ranks in topo.places]
+        holders = [r for r, (has, _) in enumerate(topo.extra) if has]
+        if not holders:
+            raise CheckpointMissingError(self.path, {METADATA: []})
+        if any(not has for has, _ in topo.extra):
+            box = [raw if topo.rank == holders[0] else None]
+            dist.broadcast_object_list(box, src=holders[0], group=group())
+            raw = raw if raw is not None else box[0]
+        if not isinstance(raw, bytes):  # pragma: no cover - a holder sends bytes
+            raise CheckpointPeerError(errno.EPROTO, "no metadata arrived", self.path)
+        return raw
+
+    def check(self, where: dict[str, list[str]]) -> None:
+        """Raise CheckpointMissingError for the files (with their items) no
+        live directory holds; the same on every rank."""
+        held = set().union(*self.files) if self.files else set()
+        missing = {name: fqns for name, fqns in where.items() if name not in held}
+        if missing:
+            raise CheckpointMissingError(self.path, missing)
+
+    def all_local(self, names: set[str]) -> bool:
+        """Whether every directory holds all of ``names`` (then no rank fetches)."""
+        return all(names <= files for files in self.files)
+
+    def holds(self, name: str) -> bool:
+        topo = self.topo
+        return topo is not None and name in self.files[topo.place]
+
+    def _server(self, name: str, order: list[str]) -> int:
+        topo = self.topo
+        if topo is None:  # pragma: no cover - set by metadata()
+            raise RuntimeError("no topology")
+        n = len(topo.places)
+        g = min((g for g in range(n) if name in self.files[g]), key=lambda g: (g - topo.place) % n)
+        ranks = topo.places[g]
+        mine = topo.places[topo.place].index(topo.rank)
+        return ranks[(order.index(name) + mine) % len(ranks)]
+
+    def fetch(self, wanted: list[Range], stats: dict[str, int]) -> list[memoryview]:
+        """The bytes of ``wanted`` (records of files this directory lacks),
+        from the ranks that hold them, while this rank sends what others
+        asked of it. Collective: every rank calls it once per load, each rank
+        reaches every exchange whatever failed, and all raise if one did."""
+        topo = self.topo
+        if topo is None:  # pragma: no cover - set by metadata()
+            raise RuntimeError("no topology")
+        order = sorted(set().union(*self.files))
+        mine = [(self._server(name, order), name, off, n) for name, off, n in wanted]
+        asked: list[Any] = [None] * len(topo.nodes)
+        dist.all_gather_object(asked, mine, group=group())
+        serve = [
+            (r, i, (name, off, n))
+            for r, reqs in enumerate(asked)
+            for i, (server, name, off, n) in enumerate(reqs)
+            if server == topo.rank
+        ]
+        # Every receive is posted first, every send is made whatever failed
+        # (zeros for what could not be read), so no rank waits for ever; the
+        # outcome is agreed on afterwards and all raise if a read failed.
+        grp = group()
+        total = sum(n for _, _, _, n in mine)
+        buf = memoryview(empty(max(total, 1)))
+        got: list[memoryview] = []
+        works: list[Any] = []
+        pos = 0
+        for i, (server, _, _, n) in enumerate(mine):
+            got.append(buf[pos : pos + n])
+            if n:
+                works.append(dist.irecv(_u8(got[-1]), server, group=grp, tag=i))
+            pos += n
+        by_file: dict[str, list[tuple[int, int, Range]]] = defaultdict(list)
+        for r, i, rng in serve:
+            by_file[rng[0]].append((r, i, rng))
+        bg = background()
+        reads = [
+            (items, bg.submit(_read_ranges(self.path, [rng for _, _, rng in items])))
+            for items in by_file.values()
+        ]
+        err: BaseException | None = None
+        served = 0
+        for items, fut in reads:  # each file's ranges go out as soon as they are read
+            try:
+                mems = fut.result()
+            except Exception as e:
+                err = err or e
+                mems = [memoryview(bytearray(rng[2])) for _, _, rng in items]
+            for (r, i, _), mem in zip(items, mems):
+                if len(mem):
+                    works.append(dist.isend(_u8(mem), r, group=grp, tag=i))
+                    served += len(mem)
+        for w in works:
+            w.wait()
+        status: list[Any] = [None] * len(topo.nodes)
+        dist.all_gather_object(status, None if err is None else f"{type(err).__name__}: {err}", group=grp)
+        if err is not None:
+            raise err
+        failed = [f"rank {r}: {e}" for r, e in enumerate(status) if e is not None]
+        if failed:
+            raise CheckpointPeerError(errno.EIO, "a rank could not read what it serves: " + "; ".join(failed))
+        stats["peer_bytes"] += total
+        stats["served_bytes"] += served
+        return got
