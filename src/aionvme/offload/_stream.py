@@ -60,8 +60,14 @@ class Streamer:
         prefetch: int,
         dtype: torch.dtype | None,
         source: str,
+        bind: bool = True,
     ) -> None:
         self.model = model
+        # bind=False: the tensors are not put into the model; a caller's own
+        # hooks fetch them from ``loaded`` while the unit is resident (the
+        # accelerate integration: accelerate's AlignDevicesHook places them)
+        self.bind = bind
+        self.loaded: dict[int, dict[int, torch.Tensor]] = {}
         self.index = index
         self.device = device
         self.prefetch = prefetch
@@ -103,7 +109,8 @@ class Streamer:
             shutil.rmtree(self._scratch, ignore_errors=True)
             raise
         # Everything is checked: only now is the model changed.
-        self._detach_weights()
+        if bind:
+            self._detach_weights()
         self._install_hooks()
         # Pinned blocks are read now, in order, so that they lie packed at the
         # start of the store's host tier and leave its rest in one piece for
@@ -275,24 +282,28 @@ class Streamer:
             self.ledger.release(u.id)
             raise
         u.future = None
-        for k, s in enumerate(u.slots):
-            t = tensors[k]
-            if s.param is not None:
-                s.param.data = t
-            else:
-                for m, name in s.buffer_refs:
-                    m._buffers[name] = t
+        if not self.bind:
+            self.loaded[u.id] = tensors
+        else:
+            for k, s in enumerate(u.slots):
+                if s.param is not None:
+                    s.param.data = tensors[k]
+                else:
+                    for m, name in s.buffer_refs:
+                        m._buffers[name] = tensors[k]
         u.state = READY
         self.loads += 1
 
     def _release(self, u: Unit) -> None:
-        for s in u.slots:
-            ph = placeholder(s.shape, s.target, self.device)
-            if s.param is not None:
-                s.param.data = ph
-            else:
-                for m, name in s.buffer_refs:
-                    m._buffers[name] = ph
+        self.loaded.pop(u.id, None)
+        if self.bind:
+            for s in u.slots:
+                ph = placeholder(s.shape, s.target, self.device)
+                if s.param is not None:
+                    s.param.data = ph
+                else:
+                    for m, name in s.buffer_refs:
+                        m._buffers[name] = ph
         u.state = ABSENT
         holds, u.holds = u.holds, []
         fut = self._loop.submit(self._unhold(u, holds))
