@@ -29,6 +29,7 @@ from ._units import (
     ALIGN,
     LOADING,
     READY,
+    Group,
     Unit,
     build_units,
     itemsize,
@@ -61,6 +62,7 @@ class Streamer:
         dtype: torch.dtype | None,
         source: str,
         bind: bool = True,
+        groups: list[Group] | None = None,
     ) -> None:
         self.model = model
         # bind=False: the tensors are not put into the model; a caller's own
@@ -89,7 +91,7 @@ class Streamer:
         self._lock = threading.Lock()
         self.peak_memory = 0  # sampled at every hook: store host tier + bytes outside it
         self._evict_released = False  # True when blocks are converted: copies live outside the store
-        self.units = build_units(model, index, dtype, device, source)
+        self.units = build_units(model, index, dtype, device, source, groups)
         self.schedule: list[int] = [u.id for u in self.units]
         self._recording: list[int] | None = None
         self._pos = 0
@@ -149,7 +151,9 @@ class Streamer:
             for root in u.roots:
                 self._hooks.append(root.register_forward_pre_hook(self._pre_hook(u)))
                 self._hooks.append(root.register_forward_hook(self._post_hook(u), always_call=True))
-        self._hooks.append(self.model.register_forward_pre_hook(self._pass_begin))
+        # The pass begins before a unit rooted at the model itself is acquired
+        # (prepend), and ends after it is done (registered last): its uses are recorded.
+        self._hooks.append(self.model.register_forward_pre_hook(self._pass_begin, prepend=True))
         self._hooks.append(self.model.register_forward_hook(self._pass_end, always_call=True))
 
     def _pre_hook(self, u: Unit) -> Any:

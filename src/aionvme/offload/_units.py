@@ -23,6 +23,7 @@ __all__ = [
     "ALIGN",
     "LOADING",
     "READY",
+    "Group",
     "Slot",
     "Unit",
     "build_units",
@@ -130,12 +131,21 @@ def _group_roots(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
     return out
 
 
+Group = tuple[str, nn.Module, list[torch.Tensor]]  # (name, the module whose forward uses them, tensors)
+
+
 def build_units(
-    model: nn.Module, index: WeightIndex, dtype: torch.dtype | None, device: torch.device, source: str
+    model: nn.Module,
+    index: WeightIndex,
+    dtype: torch.dtype | None,
+    device: torch.device,
+    source: str,
+    groups: list[Group] | None = None,
 ) -> list[Unit]:
     """The model's units: its distinct tensors found in the checkpoint (each with
-    every name it has), grouped as :func:`_group_roots` groups modules, groups
-    that share a tensor merged, and each unit's reads planned."""
+    every name it has), grouped as :func:`_group_roots` groups modules (or as
+    ``groups`` says), groups that share a tensor merged, and each unit's reads
+    planned."""
     # Every (module, name) that refers to each distinct tensor.
     params: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]] = {}
     buffers: dict[int, tuple[torch.Tensor, list[tuple[nn.Module, str, str]]]] = {}
@@ -187,13 +197,14 @@ def build_units(
 
     # Groups of modules, then the distinct tensors each one uses; groups
     # sharing a tensor (tied weights) are merged into one unit.
-    groups = _group_roots(model)
-    group_slots: list[list[int]] = []
-    for _, root, recurse in groups:
-        keys = [id(t) for t in root.parameters(recurse=recurse)] + [
-            id(t) for t in root.buffers(recurse=recurse)
+    if groups is None:
+        groups = [
+            (name, root, [*root.parameters(recurse=recurse), *root.buffers(recurse=recurse)])
+            for name, root, recurse in _group_roots(model)
         ]
-        group_slots.append([k for k in dict.fromkeys(keys) if k in slots])
+    group_slots: list[list[int]] = []
+    for _, _, tensors in groups:
+        group_slots.append([k for k in dict.fromkeys(id(t) for t in tensors) if k in slots])
     parent = list(range(len(groups)))
 
     def top(i: int) -> int:
