@@ -47,8 +47,16 @@ from ..formats import SafetensorsError, read_header
 from ..offload._index import Entry, WeightIndex
 from ..offload._loop import LoopThread
 from ..offload._stream import Streamer
+from ..offload._units import default_groups
 
-__all__ = ["OffloadIndexError", "WeightsMap", "disk_offload", "read_offload_index", "weights_map_of"]
+__all__ = [
+    "OffloadIndexError",
+    "WeightsMap",
+    "disk_offload",
+    "dispatch_model",
+    "read_offload_index",
+    "weights_map_of",
+]
 
 _ATTR = "_aionvme_weights_map"
 INDEX_NAME = "index.json"
@@ -239,6 +247,17 @@ class WeightsMap(Mapping[str, torch.Tensor]):
             raise ValueError("this weights map already reads ahead for a model; close() it first")
         offloaded = {k: e for k, e in self.index.entries.items() if k not in self.state_dict}
         index = WeightIndex(offloaded, self.index.files, self.index.sizes)
+        # only the tensors this map reads (a dispatched model keeps others on a device or in memory)
+        names: dict[int, list[str]] = {}
+        for n, t in (
+            *model.named_parameters(remove_duplicate=False),
+            *model.named_buffers(remove_duplicate=False),
+        ):
+            names.setdefault(id(t), []).append(n)
+        groups = [
+            (g, root, [t for t in ts if any(n in offloaded for n in names.get(id(t), ()))])
+            for g, root, ts in default_groups(model)
+        ]
         loop = LoopThread("accelerate")
         try:
             s = Streamer(
@@ -251,6 +270,7 @@ class WeightsMap(Mapping[str, torch.Tensor]):
                 dtype=None,
                 source=self.offload_dir,
                 bind=False,
+                groups=[g for g in groups if g[2]],
             )
         except BaseException:
             loop.close()
@@ -365,3 +385,87 @@ def weights_map_of(model: nn.Module) -> WeightsMap:
     if not isinstance(w, WeightsMap):
         raise ValueError("this model is not offloaded by aionvme.integrations.accelerate.disk_offload")
     return w
+
+
+def dispatch_model(
+    model: nn.Module,
+    device_map: dict[str, str | int | torch.device],
+    main_device: str | int | torch.device | None = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    offload_dir: str | os.PathLike[str] | None = None,
+    offload_index: dict[str, Any] | None = None,
+    offload_buffers: bool = False,
+    *,
+    budget: int | str = "1G",
+    prefetch: int = 2,
+    **kwargs: Any,
+) -> nn.Module:
+    """accelerate's ``dispatch_model``, with the modules on ``"disk"`` read ahead by aionvme.
+
+    Same arguments as ``accelerate.dispatch_model`` (``skip_keys``,
+    ``preload_module_classes``, ``force_hooks`` pass through ``kwargs``), and
+    ``budget``/``prefetch`` as in :func:`disk_offload`. accelerate dispatches
+    the model as usual; then every ``AlignDevicesHook`` that reads from the
+    ``OffloadedWeightsLoader`` accelerate made reads from a :class:`WeightsMap`
+    over the same folder, index and in-memory weights instead.
+
+    Notes
+    -----
+    ``dispatch_model`` has no ``weights_map`` argument: its loader is swapped
+    in the hooks it attached (each hook's ``weights_map`` is accelerate's
+    ``PrefixedDataset`` over the loader; its ``dataset`` attribute is
+    replaced). That is the one place this integration changes an accelerate
+    object after the fact.
+    """
+    import accelerate  # type: ignore[import-untyped,unused-ignore]
+    from accelerate.utils import OffloadedWeightsLoader, PrefixedDataset  # type: ignore[import-untyped,unused-ignore]
+
+    accelerate.dispatch_model(
+        model,
+        device_map,
+        main_device=main_device,
+        state_dict=state_dict,
+        offload_dir=offload_dir,
+        offload_index=offload_index,
+        offload_buffers=offload_buffers,
+        **kwargs,
+    )
+    views = [
+        h.weights_map
+        for h in _align_hooks(model)
+        if isinstance(h.weights_map, PrefixedDataset)
+        and isinstance(h.weights_map.dataset, OffloadedWeightsLoader)
+    ]
+    loaders = {id(v.dataset): v.dataset for v in views}
+    if not loaders:
+        return model  # nothing on disk: accelerate's own dispatch is all there is
+    if len(loaders) > 1:
+        raise ValueError("the dispatched model's hooks read from several weight loaders; expected one")
+    (loader,) = loaders.values()
+    folder = loader.save_folder if loader.save_folder is not None else offload_dir or "."
+    weights = WeightsMap(folder, index=loader.index, state_dict=loader.state_dict)
+    if not offload_buffers:
+        params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        weights.index = WeightIndex(
+            {k: e for k, e in weights.index.entries.items() if k in params},
+            weights.index.files,
+            weights.index.sizes,
+        )
+    weights.read_ahead(model, budget=budget, prefetch=prefetch)
+    for v in views:
+        v.dataset = weights
+    setattr(model, _ATTR, weights)
+    return model
+
+
+def _align_hooks(model: nn.Module) -> list[Any]:
+    """Every AlignDevicesHook accelerate attached to the model's modules."""
+    from accelerate.hooks import AlignDevicesHook, SequentialHook  # type: ignore[import-untyped,unused-ignore]
+
+    out = []
+    for m in model.modules():
+        h = getattr(m, "_hf_hook", None)
+        for x in h.hooks if isinstance(h, SequentialHook) else [h]:
+            if isinstance(x, AlignDevicesHook):
+                out.append(x)
+    return out

@@ -27,6 +27,7 @@ __all__ = [
     "Slot",
     "Unit",
     "build_units",
+    "default_groups",
     "itemsize",
     "needs_copy",
     "placeholder",
@@ -134,6 +135,14 @@ def _group_roots(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
 Group = tuple[str, nn.Module, list[torch.Tensor]]  # (name, the module whose forward uses them, tensors)
 
 
+def default_groups(model: nn.Module) -> list[Group]:
+    """The streamer's own grouping (see :func:`_group_roots`), each group with its tensors."""
+    return [
+        (name, root, [*root.parameters(recurse=recurse), *root.buffers(recurse=recurse)])
+        for name, root, recurse in _group_roots(model)
+    ]
+
+
 def build_units(
     model: nn.Module,
     index: WeightIndex,
@@ -160,6 +169,11 @@ def build_units(
     entries = index.entries
     slots: dict[int, Slot] = {}
     missing: list[str] = []
+    if groups is not None:
+        # given groups name the streamed tensors: the others are not ours to find
+        ours = {id(t) for _, _, ts in groups for t in ts}
+        params = {k: v for k, v in params.items() if k in ours}
+        buffers = {k: v for k, v in buffers.items() if k in ours}
 
     def find(refs: list[tuple[nn.Module, str, str]]) -> Entry | None:
         for _, _, full in refs:
@@ -198,10 +212,7 @@ def build_units(
     # Groups of modules, then the distinct tensors each one uses; groups
     # sharing a tensor (tied weights) are merged into one unit.
     if groups is None:
-        groups = [
-            (name, root, [*root.parameters(recurse=recurse), *root.buffers(recurse=recurse)])
-            for name, root, recurse in _group_roots(model)
-        ]
+        groups = default_groups(model)
     group_slots: list[list[int]] = []
     for _, _, tensors in groups:
         group_slots.append([k for k in dict.fromkeys(id(t) for t in tensors) if k in slots])
