@@ -46,7 +46,7 @@ from ..file import open as nvme_open
 from ..formats import SafetensorsError, read_header
 from ..offload._index import Entry, WeightIndex
 from ..offload._loop import LoopThread
-from ..offload._stream import Streamer
+from ..offload._stream import Streamer, start_streamer
 from ..offload._units import default_groups
 
 __all__ = [
@@ -232,7 +232,9 @@ class WeightsMap(Mapping[str, torch.Tensor]):
 
     # -- read-ahead ------------------------------------------------------------------------
 
-    def read_ahead(self, model: nn.Module, *, budget: int | str = "1G", prefetch: int = 2) -> None:
+    def read_ahead(
+        self, model: nn.Module, *, budget: int | str = "1G", prefetch: int = 2, include_buffers: bool = True
+    ) -> None:
         """Read the weights of ``model``'s blocks ahead of its forward, within ``budget`` bytes.
 
         ``model`` is the module whose forward is one pass (the one accelerate's
@@ -242,11 +244,17 @@ class WeightsMap(Mapping[str, torch.Tensor]):
         each block tells the streamer when the block begins and ends, and the
         first pass records their order. Inference only: a forward with
         autograd on raises :class:`aionvme.offload.InferenceOnlyError`.
+        ``include_buffers=False`` reads parameters only (accelerate's hooks
+        with ``offload_buffers=False`` never ask for buffers).
         """
         if self.streamer is not None:
             raise ValueError("this weights map already reads ahead for a model; close() it first")
-        offloaded = {k: e for k, e in self.index.entries.items() if k not in self.state_dict}
-        index = WeightIndex(offloaded, self.index.files, self.index.sizes)
+        params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        offloaded = {
+            k: e
+            for k, e in self.index.entries.items()
+            if k not in self.state_dict and (include_buffers or k in params)
+        }
         # only the tensors this map reads (a dispatched model keeps others on a device or in memory)
         names: dict[int, list[str]] = {}
         for n, t in (
@@ -258,23 +266,18 @@ class WeightsMap(Mapping[str, torch.Tensor]):
             (g, root, [t for t in ts if any(n in offloaded for n in names.get(id(t), ()))])
             for g, root, ts in default_groups(model)
         ]
-        loop = LoopThread("accelerate")
-        try:
-            s = Streamer(
-                model,
-                index,
-                loop,
-                budget=parse_size(budget),
-                device=torch.device("cpu"),
-                prefetch=prefetch,
-                dtype=None,
-                source=self.offload_dir,
-                bind=False,
-                groups=[g for g in groups if g[2]],
-            )
-        except BaseException:
-            loop.close()
-            raise
+        s = start_streamer(
+            model,
+            WeightIndex(offloaded, self.index.files, self.index.sizes),
+            name="accelerate",
+            budget=parse_size(budget),
+            device=torch.device("cpu"),
+            prefetch=prefetch,
+            dtype=None,
+            source=self.offload_dir,
+            bind=False,
+            groups=[g for g in groups if g[2]],
+        )
         modules = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
         for u in s.units:
             for k, slot in enumerate(u.slots):
@@ -353,15 +356,7 @@ def disk_offload(
     if execution_device is None:
         execution_device = next(iter(model.parameters())).device
     weights = WeightsMap(folder)
-    if not offload_buffers:
-        # accelerate leaves buffers on the execution device: only the parameters are read
-        params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-        weights.index = WeightIndex(
-            {k: e for k, e in weights.index.entries.items() if k in params},
-            weights.index.files,
-            weights.index.sizes,
-        )
-    weights.read_ahead(model, budget=budget, prefetch=prefetch)
+    weights.read_ahead(model, budget=budget, prefetch=prefetch, include_buffers=offload_buffers)
     try:
         add_hook_to_module(model, AlignDevicesHook(io_same_device=True), append=True)
         attach_align_device_hook(
@@ -444,14 +439,7 @@ def dispatch_model(
     (loader,) = loaders.values()
     folder = loader.save_folder if loader.save_folder is not None else offload_dir or "."
     weights = WeightsMap(folder, index=loader.index, state_dict=loader.state_dict)
-    if not offload_buffers:
-        params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-        weights.index = WeightIndex(
-            {k: e for k, e in weights.index.entries.items() if k in params},
-            weights.index.files,
-            weights.index.sizes,
-        )
-    weights.read_ahead(model, budget=budget, prefetch=prefetch)
+    weights.read_ahead(model, budget=budget, prefetch=prefetch, include_buffers=offload_buffers)
     for v in views:
         v.dataset = weights
     setattr(model, _ATTR, weights)

@@ -38,7 +38,7 @@ from ..defaults import parse_size
 from ..formats import sync_save_safetensors
 from ..offload._index import read_index
 from ..offload._loop import LoopThread
-from ..offload._stream import Streamer, streamer_of
+from ..offload._stream import start_streamer, streamer_of
 from ..offload._units import ALIGN, Group, round_up
 
 __all__ = ["apply_group_offloading", "remove_group_offloading", "stats"]
@@ -192,27 +192,24 @@ def apply_group_offloading(
     groups: list[Group] = []
     _block_groups(module, num_blocks_per_group, blocks, "", groups)
     index_path = _save_groups(module, groups, os.fspath(offload_to_disk_path))
-    loop = LoopThread("diffusers")
+    loop = LoopThread("diffusers-index")
     try:
         index = loop.run(read_index(index_path))
-        if budget is None:
-            budget = _default_budget(
-                module, groups, index.entries, index.sizes, num_blocks_per_group + prefetch
-            )
-        s = Streamer(
-            module,
-            index,
-            loop,
-            budget=parse_size(budget),
-            device=torch.device(onload_device),
-            prefetch=prefetch,
-            dtype=None,
-            source=index_path,
-            groups=groups,
-        )
-    except BaseException:
+    finally:
         loop.close()
-        raise
+    if budget is None:
+        budget = _default_budget(module, groups, index.entries, index.sizes, num_blocks_per_group + prefetch)
+    s = start_streamer(
+        module,
+        index,
+        name="diffusers",
+        budget=parse_size(budget),
+        device=torch.device(onload_device),
+        prefetch=prefetch,
+        dtype=None,
+        source=index_path,
+        groups=groups,
+    )
     setattr(module, _ATTR, s)
 
 

@@ -38,7 +38,7 @@ from ._units import (
     round_up,
 )
 
-__all__ = ["Streamer", "stream", "streamer_of"]
+__all__ = ["Streamer", "start_streamer", "stream", "streamer_of"]
 
 _ATTR = "_aionvme_streamer"
 _TIMELINE_MAX = 100_000
@@ -624,24 +624,27 @@ def stream(
         # transformers models built empty (init_empty_weights) hold untied
         # meta copies of tied weights until this runs; the checkpoint has one.
         tie()
-    loop = LoopThread("streamer")
+    s = start_streamer(
+        model, path, budget=nbytes, device=dev, prefetch=prefetch, dtype=dtype, source=os.fspath(path)
+    )
+    setattr(model, _ATTR, s)
+    return model
+
+
+def start_streamer(
+    model: nn.Module, index: WeightIndex | str | os.PathLike[str], *, name: str = "streamer", **kw: Any
+) -> Streamer:
+    """A :class:`Streamer` on a share of the background loop of its own, given to it, or
+    closed again when the streamer cannot be made. ``index``: a checkpoint's path (its
+    headers are read here) or its :class:`WeightIndex`; ``kw``: Streamer's keywords."""
+    loop = LoopThread(name)
     try:
-        index = loop.run(read_index(path))
-        s = Streamer(
-            model,
-            index,
-            loop,
-            budget=nbytes,
-            device=dev,
-            prefetch=prefetch,
-            dtype=dtype,
-            source=os.fspath(path),
-        )
+        if not isinstance(index, WeightIndex):
+            index = loop.run(read_index(index))
+        return Streamer(model, index, loop, **kw)
     except BaseException:
         loop.close()
         raise
-    setattr(model, _ATTR, s)
-    return model
 
 
 def streamer_of(model: nn.Module) -> Streamer:
