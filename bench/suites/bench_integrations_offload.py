@@ -7,20 +7,24 @@
 accelerate: a transformers Llama-style model (random weights, built here, no
 download) of ``--model-size`` fp32 bytes, offloaded once to an accelerate
 offload folder (``index.json`` + ``.dat``, accelerate's own writer), then, per
-round, one cold forward pass (batch 1, ``--seq`` tokens, CPU, page cache
-dropped just before) of ``accelerate.disk_offload`` and of
+round, one cold forward pass (batch 1, ``--seq`` tokens, on ``--device``: CPU,
+or ``cuda`` for the GPU path; page cache dropped just before; the offload
+applied to the empty model and the pass timed together, since ours starts
+reading when it is applied) of ``accelerate.disk_offload`` and of
 ``aionvme.integrations.accelerate.disk_offload`` with ``budget`` = the model /
 ``--ratio`` (4: the model is 4x its memory budget), both over the same folder,
-both models built empty (``init_empty_weights``). Logits are compared bitwise.
-Ours is also given against its bound max(bytes it read / fio's sequential read
-bandwidth, the forward in memory).
+both models built empty (``init_empty_weights``). Logits are compared bitwise
+with the model in memory, which also runs once per round (after the same
+cache drop): ours is given against its bound max(bytes it read / fio's
+sequential read bandwidth, that round's forward in memory).
 
 diffusers: a ``UNet2DModel`` (random weights) under group offloading to disk,
 ``block_level``, ``num_blocks_per_group=1``, one cold pass of diffusers' own
 ``apply_group_offloading(..., offload_to_disk_path=...)`` and of
 ``aionvme.integrations.diffusers.apply_group_offloading`` (same arguments,
 its default budget), each on its own folder written before the round; outputs
-compared bitwise; bytes read from the device counted by ``/proc/self/io``
+compared bitwise with the model in memory (a side of each round too); bytes
+read from the device counted by ``/proc/self/io``
 (``read_bytes``) and, for ours, by the streamer.
 
 ``--repeat`` rounds, each side once per round, the order reversed every other
@@ -92,6 +96,8 @@ def _timed(setup: Callable[[], Any], run: Callable[[Any], Any]) -> dict[str, Any
     t1 = time.perf_counter()
     with torch.inference_mode():
         out = run(m)
+    if out.device.type == "cuda":
+        torch.cuda.synchronize(out.device)
     t2 = time.perf_counter()
     return {
         "m": m,
@@ -139,10 +145,13 @@ def bench_accelerate(args: argparse.Namespace, work: str, fio_Bps: float) -> dic
     nbytes = sum(p.numel() * p.element_size() for p in ref.parameters())
     budget = nbytes // args.ratio
     ids = torch.randint(0, cfg.vocab_size, (1, args.seq), generator=torch.Generator().manual_seed(1))
+    dev = args.device
+    offload_state_dict(os.path.join(work, "accelerate-offload"), ref.state_dict())
+    ref.to(dev)
+    ids = ids.to(dev)
     with torch.inference_mode():
         want = ref(ids).logits
     folder = os.path.join(work, "accelerate-offload")
-    offload_state_dict(folder, ref.state_dict())
 
     def empty() -> Any:
         with accelerate.init_empty_weights():
@@ -150,15 +159,13 @@ def bench_accelerate(args: argparse.Namespace, work: str, fio_Bps: float) -> dic
 
     def theirs() -> dict[str, Any]:
         m = empty()
-        r = _timed(
-            lambda: accelerate.disk_offload(m, folder, execution_device="cpu"), lambda m: m(ids).logits
-        )
+        r = _timed(lambda: accelerate.disk_offload(m, folder, execution_device=dev), lambda m: m(ids).logits)
         return _compare(r, want)
 
     def ours() -> dict[str, Any]:
         m = empty()
         r = _timed(
-            lambda: disk_offload(m, folder, execution_device="cpu", budget=budget, prefetch=args.prefetch),
+            lambda: disk_offload(m, folder, execution_device=dev, budget=budget, prefetch=args.prefetch),
             lambda m: m(ids).logits,
         )
         w = weights_map_of(m)
@@ -183,7 +190,8 @@ def bench_accelerate(args: argparse.Namespace, work: str, fio_Bps: float) -> dic
         max(r["aionvme"]["bytes_read"] / fio_Bps, r["memory"]["pass_s"]) / r["aionvme"]["s"] for r in rounds
     )
     return {
-        "model_bytes": nbytes, "layers": cfg.num_hidden_layers, "budget": budget, "seq": args.seq,
+        "device": dev, "model_bytes": nbytes, "layers": cfg.num_hidden_layers, "budget": budget,
+        "seq": args.seq,
         "prefetch": args.prefetch, "compute_s": compute_s, "io_s": io_s, "bound_s": bound,
         "fio_read_Bps": fio_Bps,
         "aionvme_s": ours_s, "accelerate_s": statistics.median(x["s"] for x in a),
@@ -285,7 +293,7 @@ def report(acc: dict[str, Any] | None, dif: dict[str, Any] | None) -> str:
         lines += [
             f"### accelerate disk offload: Llama {human_bytes(acc['model_bytes'])} fp32 "
             f"({acc['layers']} layers), "
-            f"budget {human_bytes(acc['budget'])}, seq {acc['seq']}, CPU{cold}",
+            f"budget {human_bytes(acc['budget'])}, seq {acc['seq']}, {acc['device']}{cold}",
             "",
             "| | seconds (median): offload applied + one pass | note |",
             "|---|---:|---|",
@@ -344,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ratio", type=int, default=4, help="model bytes / memory budget")
     ap.add_argument("--prefetch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--device", default="cpu", help="accelerate's execution device (cuda: the GPU path)")
     ap.add_argument("--unet-width", type=int, default=96, help="the UNet's first block width")
     ap.add_argument("--sample", type=int, default=8, help="the UNet's input height and width")
     ap.add_argument("--repeat", type=int, default=3)
