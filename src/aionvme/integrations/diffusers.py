@@ -10,10 +10,11 @@
 
 diffusers' own disk path (``ModuleGroup._onload_from_disk``) loads each group
 with ``safetensors.torch.load_file`` when the group's first block starts, and
-nothing ahead. Here the groups are diffusers' (the children of the model's
-``ModuleList``/``Sequential`` children, ``block_modules`` recursed into, and
-one group of everything else, resident for the whole forward), each saved
-once as its own safetensors file; the forward runs under
+nothing ahead. Here the grouping is diffusers' (the children of the model's
+``ModuleList``/``Sequential`` children are blocks, ``block_modules`` are
+recursed into, and everything else is one group, resident for the whole
+forward), each block a group of its own, saved once as its own safetensors
+file; the forward runs under
 :class:`aionvme.offload.Streamer` (the engine of ``aionvme.offload.stream``):
 a group is read in one O_DIRECT request into memory that the model uses in
 place, the next ``prefetch`` groups are read while one computes, within
@@ -53,11 +54,13 @@ _ATTR = "_aionvme_streamer"  # the attribute stream() uses: streamer_of() finds 
 def _block_groups(
     module: nn.Module, n: int, block_modules: set[str], prefix: str, out: list[Group]
 ) -> set[int]:
-    """diffusers' block-level groups of ``module`` (``_apply_group_offloading_block_level``):
-    ``n`` consecutive children of each ``ModuleList``/``Sequential`` child; the
-    ``block_modules`` children recursed into; the rest (other children and the
-    module's own tensors) one group led by ``module``. Returns the ids of the
-    tensors placed in a block group."""
+    """diffusers' block-level grouping of ``module`` (``_apply_group_offloading_block_level``):
+    the children of each ``ModuleList``/``Sequential`` child are blocks, the
+    ``block_modules`` children are recursed into, and the rest (other children
+    and the module's own tensors) is one group led by ``module``, resident for
+    its whole forward. Each block is a group of its own here (read alone, the
+    next one ahead): ``n``, diffusers' blocks per group, sizes the default
+    budget instead. Returns the ids of the tensors placed in a group."""
     placed: set[int] = set()
     rest: list[torch.Tensor] = []
     for name, child in module.named_children():
@@ -67,12 +70,10 @@ def _block_groups(
         elif isinstance(child, (nn.ModuleList, nn.Sequential)):
             kids = list(child)
             for i in range(0, len(kids), n):
-                mods = kids[i : i + n]
-                ts = [t for m in mods for t in (*m.parameters(), *m.buffers())]
-                placed |= {id(t) for t in ts}
-                # one unit per block, all of them sized as diffusers' group of n
-                for j, m in enumerate(mods):
-                    out.append((f"{prefix}{name}.{i + j}", m, [*m.parameters(), *m.buffers()]))
+                for j, m in enumerate(kids[i : i + n]):
+                    ts = [*m.parameters(), *m.buffers()]
+                    placed |= {id(t) for t in ts}
+                    out.append((f"{prefix}{name}.{i + j}", m, ts))
         else:
             rest.extend((*child.parameters(), *child.buffers()))
     rest.extend((*module.parameters(recurse=False), *module.buffers(recurse=False)))
@@ -179,8 +180,10 @@ def apply_group_offloading(
     The parameters before ``*`` are diffusers' (``diffusers.hooks.apply_group_offloading``);
     ``offload_type="block_level"`` and ``offload_to_disk_path`` are required
     here (offloading to host memory is diffusers' own business). The groups'
-    files are written on the first call (kept when the folder already holds
-    them, as diffusers keeps its own).
+    files are written on the first call and reused by later ones, as diffusers
+    reuses its own: delete the folder when the weights change. Each block is
+    read on its own, the next ones ahead; ``num_blocks_per_group`` (diffusers'
+    blocks held at once) sizes the default budget.
 
     Parameters
     ----------
