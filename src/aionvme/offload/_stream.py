@@ -29,6 +29,7 @@ from ._units import (
     ALIGN,
     LOADING,
     READY,
+    Group,
     Unit,
     build_units,
     itemsize,
@@ -37,7 +38,7 @@ from ._units import (
     round_up,
 )
 
-__all__ = ["Streamer", "stream", "streamer_of"]
+__all__ = ["Streamer", "start_streamer", "stream", "streamer_of"]
 
 _ATTR = "_aionvme_streamer"
 _TIMELINE_MAX = 100_000
@@ -60,8 +61,15 @@ class Streamer:
         prefetch: int,
         dtype: torch.dtype | None,
         source: str,
+        bind: bool = True,
+        groups: list[Group] | None = None,
     ) -> None:
         self.model = model
+        # bind=False: the tensors are not put into the model; a caller's own
+        # hooks fetch them from ``loaded`` while the unit is resident (the
+        # accelerate integration: accelerate's AlignDevicesHook places them)
+        self.bind = bind
+        self.loaded: dict[int, dict[int, torch.Tensor]] = {}
         self.index = index
         self.device = device
         self.prefetch = prefetch
@@ -83,7 +91,7 @@ class Streamer:
         self._lock = threading.Lock()
         self.peak_memory = 0  # sampled at every hook: store host tier + bytes outside it
         self._evict_released = False  # True when blocks are converted: copies live outside the store
-        self.units = build_units(model, index, dtype, device, source)
+        self.units = build_units(model, index, dtype, device, source, groups)
         self.schedule: list[int] = [u.id for u in self.units]
         self._recording: list[int] | None = None
         self._pos = 0
@@ -103,7 +111,8 @@ class Streamer:
             shutil.rmtree(self._scratch, ignore_errors=True)
             raise
         # Everything is checked: only now is the model changed.
-        self._detach_weights()
+        if bind:
+            self._detach_weights()
         self._install_hooks()
         # Pinned blocks are read now, in order, so that they lie packed at the
         # start of the store's host tier and leave its rest in one piece for
@@ -142,7 +151,9 @@ class Streamer:
             for root in u.roots:
                 self._hooks.append(root.register_forward_pre_hook(self._pre_hook(u)))
                 self._hooks.append(root.register_forward_hook(self._post_hook(u), always_call=True))
-        self._hooks.append(self.model.register_forward_pre_hook(self._pass_begin))
+        # The pass begins before a unit rooted at the model itself is acquired
+        # (prepend), and ends after it is done (registered last): its uses are recorded.
+        self._hooks.append(self.model.register_forward_pre_hook(self._pass_begin, prepend=True))
         self._hooks.append(self.model.register_forward_hook(self._pass_end, always_call=True))
 
     def _pre_hook(self, u: Unit) -> Any:
@@ -275,24 +286,28 @@ class Streamer:
             self.ledger.release(u.id)
             raise
         u.future = None
-        for k, s in enumerate(u.slots):
-            t = tensors[k]
-            if s.param is not None:
-                s.param.data = t
-            else:
-                for m, name in s.buffer_refs:
-                    m._buffers[name] = t
+        if not self.bind:
+            self.loaded[u.id] = tensors
+        else:
+            for k, s in enumerate(u.slots):
+                if s.param is not None:
+                    s.param.data = tensors[k]
+                else:
+                    for m, name in s.buffer_refs:
+                        m._buffers[name] = tensors[k]
         u.state = READY
         self.loads += 1
 
     def _release(self, u: Unit) -> None:
-        for s in u.slots:
-            ph = placeholder(s.shape, s.target, self.device)
-            if s.param is not None:
-                s.param.data = ph
-            else:
-                for m, name in s.buffer_refs:
-                    m._buffers[name] = ph
+        self.loaded.pop(u.id, None)
+        if self.bind:
+            for s in u.slots:
+                ph = placeholder(s.shape, s.target, self.device)
+                if s.param is not None:
+                    s.param.data = ph
+                else:
+                    for m, name in s.buffer_refs:
+                        m._buffers[name] = ph
         u.state = ABSENT
         holds, u.holds = u.holds, []
         fut = self._loop.submit(self._unhold(u, holds))
@@ -609,24 +624,27 @@ def stream(
         # transformers models built empty (init_empty_weights) hold untied
         # meta copies of tied weights until this runs; the checkpoint has one.
         tie()
-    loop = LoopThread("streamer")
+    s = start_streamer(
+        model, path, budget=nbytes, device=dev, prefetch=prefetch, dtype=dtype, source=os.fspath(path)
+    )
+    setattr(model, _ATTR, s)
+    return model
+
+
+def start_streamer(
+    model: nn.Module, index: WeightIndex | str | os.PathLike[str], *, name: str = "streamer", **kw: Any
+) -> Streamer:
+    """A :class:`Streamer` on a share of the background loop of its own, given to it, or
+    closed again when the streamer cannot be made. ``index``: a checkpoint's path (its
+    headers are read here) or its :class:`WeightIndex`; ``kw``: Streamer's keywords."""
+    loop = LoopThread(name)
     try:
-        index = loop.run(read_index(path))
-        s = Streamer(
-            model,
-            index,
-            loop,
-            budget=nbytes,
-            device=dev,
-            prefetch=prefetch,
-            dtype=dtype,
-            source=os.fspath(path),
-        )
+        if not isinstance(index, WeightIndex):
+            index = loop.run(read_index(index))
+        return Streamer(model, index, loop, **kw)
     except BaseException:
         loop.close()
         raise
-    setattr(model, _ATTR, s)
-    return model
 
 
 def streamer_of(model: nn.Module) -> Streamer:

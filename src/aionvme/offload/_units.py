@@ -23,9 +23,11 @@ __all__ = [
     "ALIGN",
     "LOADING",
     "READY",
+    "Group",
     "Slot",
     "Unit",
     "build_units",
+    "default_groups",
     "itemsize",
     "needs_copy",
     "placeholder",
@@ -130,12 +132,29 @@ def _group_roots(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
     return out
 
 
+Group = tuple[str, nn.Module, list[torch.Tensor]]  # (name, the module whose forward uses them, tensors)
+
+
+def default_groups(model: nn.Module) -> list[Group]:
+    """The streamer's own grouping (see :func:`_group_roots`), each group with its tensors."""
+    return [
+        (name, root, [*root.parameters(recurse=recurse), *root.buffers(recurse=recurse)])
+        for name, root, recurse in _group_roots(model)
+    ]
+
+
 def build_units(
-    model: nn.Module, index: WeightIndex, dtype: torch.dtype | None, device: torch.device, source: str
+    model: nn.Module,
+    index: WeightIndex,
+    dtype: torch.dtype | None,
+    device: torch.device,
+    source: str,
+    groups: list[Group] | None = None,
 ) -> list[Unit]:
     """The model's units: its distinct tensors found in the checkpoint (each with
-    every name it has), grouped as :func:`_group_roots` groups modules, groups
-    that share a tensor merged, and each unit's reads planned."""
+    every name it has), grouped as :func:`_group_roots` groups modules (or as
+    ``groups`` says), groups that share a tensor merged, and each unit's reads
+    planned."""
     # Every (module, name) that refers to each distinct tensor.
     params: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]] = {}
     buffers: dict[int, tuple[torch.Tensor, list[tuple[nn.Module, str, str]]]] = {}
@@ -150,6 +169,11 @@ def build_units(
     entries = index.entries
     slots: dict[int, Slot] = {}
     missing: list[str] = []
+    if groups is not None:
+        # given groups name the streamed tensors: the others are not ours to find
+        ours = {id(t) for _, _, ts in groups for t in ts}
+        params = {k: v for k, v in params.items() if k in ours}
+        buffers = {k: v for k, v in buffers.items() if k in ours}
 
     def find(refs: list[tuple[nn.Module, str, str]]) -> Entry | None:
         for _, _, full in refs:
@@ -187,13 +211,11 @@ def build_units(
 
     # Groups of modules, then the distinct tensors each one uses; groups
     # sharing a tensor (tied weights) are merged into one unit.
-    groups = _group_roots(model)
+    if groups is None:
+        groups = default_groups(model)
     group_slots: list[list[int]] = []
-    for _, root, recurse in groups:
-        keys = [id(t) for t in root.parameters(recurse=recurse)] + [
-            id(t) for t in root.buffers(recurse=recurse)
-        ]
-        group_slots.append([k for k in dict.fromkeys(keys) if k in slots])
+    for _, _, tensors in groups:
+        group_slots.append([k for k in dict.fromkeys(id(t) for t in tensors) if k in slots])
     parent = list(range(len(groups)))
 
     def top(i: int) -> int:
