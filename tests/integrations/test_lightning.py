@@ -99,59 +99,69 @@ def _without_paths(ckpt: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in ckpt.items() if k != "callbacks"}
 
 
-def test_fit_saves_the_checkpoint_torch_checkpoint_io_saves(tmp_path: Path) -> None:
-    ours = _fit(tmp_path / "ours", L.CheckpointIO(), epochs=2)
-    theirs = _fit(tmp_path / "torch", TorchCheckpointIO(), epochs=2)
-    for name in ("epoch=0.ckpt", "epoch=1.ckpt"):
-        mine = tmp_path / "ours" / "ckpt" / name
-        with open(mine, "rb") as f:  # a safetensors file: 8-byte header length, then JSON
-            assert f.read(9)[8:9] == b"{"
-        got = L.CheckpointIO().load_checkpoint(mine)
-        ref = torch.load(tmp_path / "torch" / "ckpt" / name, map_location="cpu", weights_only=True)
-        _same(_without_paths(got), _without_paths(ref))
-        assert list(got["callbacks"]) == list(ref["callbacks"])
-        assert isinstance(got["state_dict"], collections.OrderedDict) and got["state_dict"]._metadata
-    for a, b in zip(ours.parameters(), theirs.parameters()):
-        assert torch.equal(a, b)
-
-
-def test_resume_gives_the_state_torch_checkpoint_io_gives(tmp_path: Path) -> None:
-    _fit(tmp_path / "ours", L.CheckpointIO(), epochs=1)
-    _fit(tmp_path / "torch", TorchCheckpointIO(), epochs=1)
-    ours = _fit(tmp_path / "ours", L.CheckpointIO(), 3, str(tmp_path / "ours" / "ckpt" / "epoch=0.ckpt"))
-    theirs = _fit(
-        tmp_path / "torch", TorchCheckpointIO(), 3, str(tmp_path / "torch" / "ckpt" / "epoch=0.ckpt")
-    )
-    straight = _fit(tmp_path / "straight", TorchCheckpointIO(), epochs=3)
-    for a, b, c in zip(
-        ours.state_dict().values(), theirs.state_dict().values(), straight.state_dict().values()
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Three epochs straight with TorchCheckpointIO, with ours and with our async
+    variant; then ours resumed from its own epoch-0 checkpoint, TorchCheckpointIO
+    from its own, and ours from TorchCheckpointIO's (a run switching plugins)."""
+    root = tmp_path_factory.mktemp("lightning")
+    out: dict[str, Any] = {"root": root}
+    out["torch"] = _fit(root / "torch", TorchCheckpointIO(), epochs=3)
+    out["ours"] = _fit(root / "ours", L.CheckpointIO(), epochs=3)
+    out["async"] = _fit(root / "async", L.AsyncCheckpointIO(), epochs=3)
+    for name, plugin, src in (
+        ("ours_resumed", L.CheckpointIO(), "ours"),
+        ("torch_resumed", TorchCheckpointIO(), "torch"),
+        ("switched", L.CheckpointIO(), "torch"),
     ):
-        assert torch.equal(a, b) and torch.equal(a, c)
-    got = L.CheckpointIO().load_checkpoint(tmp_path / "ours" / "ckpt" / "epoch=2.ckpt")
-    ref = torch.load(tmp_path / "torch" / "ckpt" / "epoch=2.ckpt", weights_only=True)
+        (root / name).mkdir()
+        out[name] = _fit(root / name, plugin, 3, str(root / src / "ckpt" / "epoch=0.ckpt"))
+    return out
+
+
+def _same_params(a: Any, b: Any) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+
+
+def test_fit_saves_the_checkpoint_torch_checkpoint_io_saves(runs: dict[str, Any]) -> None:
+    root = runs["root"]
+    for run in ("ours", "async"):
+        for name in ("epoch=0.ckpt", "epoch=1.ckpt", "epoch=2.ckpt"):
+            mine = root / run / "ckpt" / name
+            with open(mine, "rb") as f:  # a safetensors file: 8-byte header length, then JSON
+                assert f.read(9)[8:9] == b"{"
+            got = L.CheckpointIO().load_checkpoint(mine)
+            ref = torch.load(root / "torch" / "ckpt" / name, map_location="cpu", weights_only=True)
+            _same(_without_paths(got), _without_paths(ref))
+            assert list(got["callbacks"]) == list(ref["callbacks"])
+            assert isinstance(got["state_dict"], collections.OrderedDict) and got["state_dict"]._metadata
+        _same_params(runs[run], runs["torch"])
+
+
+def test_resume_gives_the_state_torch_checkpoint_io_gives(runs: dict[str, Any]) -> None:
+    # resumed from epoch 0 to epoch 3: the state of three epochs straight, bitwise
+    _same_params(runs["ours_resumed"], runs["torch_resumed"])
+    _same_params(runs["ours_resumed"], runs["torch"])
+    root = runs["root"]
+    got = L.CheckpointIO().load_checkpoint(root / "ours_resumed" / "ckpt" / "epoch=2.ckpt")
+    ref = torch.load(root / "torch_resumed" / "ckpt" / "epoch=2.ckpt", weights_only=True)
     _same(_without_paths(got), _without_paths(ref))
 
 
-def test_loads_what_torch_checkpoint_io_wrote_and_resumes_from_it(tmp_path: Path) -> None:
-    _fit(tmp_path / "run", TorchCheckpointIO(), epochs=1)
-    old = tmp_path / "run" / "ckpt" / "epoch=0.ckpt"
+def test_loads_what_torch_checkpoint_io_wrote_and_resumes_from_it(runs: dict[str, Any]) -> None:
+    root = runs["root"]
+    old = root / "torch" / "ckpt" / "epoch=0.ckpt"
     _same(L.CheckpointIO().load_checkpoint(old), TorchCheckpointIO().load_checkpoint(old))
-    switched = _fit(tmp_path / "run", L.CheckpointIO(), 2, str(old))
-    stayed = _fit(tmp_path / "stay", TorchCheckpointIO(), epochs=2)
-    for a, b in zip(switched.parameters(), stayed.parameters()):
-        assert torch.equal(a, b)
-    with open(tmp_path / "run" / "ckpt" / "epoch=1.ckpt", "rb") as f:
+    _same_params(runs["switched"], runs["torch"])
+    with open(root / "switched" / "ckpt" / "epoch=2.ckpt", "rb") as f:
         assert f.read(9)[8:9] == b"{", "the resumed run saves in aionvme's format"
 
 
-def test_async_variant_snapshots_then_writes(tmp_path: Path) -> None:
+def test_async_variant_snapshots_before_it_returns(tmp_path: Path) -> None:
     plugin = L.AsyncCheckpointIO()
-    ours = _fit(tmp_path / "ours", plugin, epochs=2)
-    ref = _fit(tmp_path / "torch", TorchCheckpointIO(), epochs=2)
-    for a, b in zip(ours.parameters(), ref.parameters()):
-        assert torch.equal(a, b)
-    got = L.CheckpointIO().load_checkpoint(tmp_path / "ours" / "ckpt" / "epoch=1.ckpt")
-    _same(_without_paths(got), _without_paths(torch.load(tmp_path / "torch" / "ckpt" / "epoch=1.ckpt")))
     # the snapshot is taken before save_checkpoint returns: changing the tensor after it changes nothing
     t = torch.arange(1 << 20, dtype=torch.float32)
     plugin.save_checkpoint({"t": t}, tmp_path / "snap.ckpt")
