@@ -1,6 +1,6 @@
 """Lightning checkpoints and transformers cold loads through aionvme, side by side with the frameworks' own.
 
-    python3 bench/suites/bench_integrations_io.py                         # 1 GiB checkpoint, ~0.75 GiB model, 2 rounds
+    python3 bench/suites/bench_integrations_io.py     # 1 GiB checkpoint, 0.75 GiB model, 2 rounds
     python3 bench/suites/bench_integrations_io.py --ckpt-size 2G --model-size 1.5G --repeat 3 --json
 
 Lightning: a checkpoint shaped as Lightning's ``dump_checkpoint`` makes it (a model
@@ -222,7 +222,7 @@ def bench_transformers(work: str, size: int, repeat: int) -> dict[str, Any]:
 
         def fst() -> Any:
             with fastsafe_open(shards, device="cpu", nogds=True) as f:
-                state = {k: f.get_tensor(k) for k in f.keys()}
+                state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
             return LlamaForCausalLM.from_pretrained(None, config=path, state_dict=state)
 
         sides["fastsafetensors (CPU, nogds) + state_dict="] = fst
@@ -264,9 +264,8 @@ def report(title: str, res: dict[str, Any], pairs: list[tuple[str, str]]) -> Non
     for ours, theirs in pairs:
         if ours in res["rows"] and theirs in res["rows"]:
             ratios = [b / a for a, b in zip(res["rows"][ours], res["rows"][theirs])]
-            print(
-                f"  {ours} vs {theirs}: {geomean(ratios):.2f}x (per round: {', '.join(f'{x:.2f}' for x in ratios)})"
-            )
+            per = ", ".join(f"{x:.2f}" for x in ratios)
+            print(f"  {ours} vs {theirs}: {geomean(ratios):.2f}x (per round: {per})")
 
 
 def main() -> None:
