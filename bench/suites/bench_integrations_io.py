@@ -18,13 +18,14 @@ both writes are waited for before the next step.
 transformers: a Llama-style model with random weights (nothing downloaded), fp32,
 about ``--model-size``, saved by ``save_pretrained`` in 200 MB shards. Cold loads:
 ``LlamaForCausalLM.from_pretrained(path)``; ours,
-``aionvme.integrations.transformers.from_pretrained``; fastsafetensors (CPU,
+``aionvme.integrations.transformers.from_pretrained``; fastsafetensors (on CPU with
 ``nogds=True``) reading the shards into a state dict handed to transformers the way
 ours is. transformers maps the shards and reads them lazily, so every load is timed
 until each weight is in memory (one byte read per page of every parameter, the same
 for all); the call alone is printed beside it. Every model's state dict is checked
-bitwise against the first. InstantTensor loads to CUDA devices only ("InstantTensor
-only supports CUDA devices for now"): it runs in ``bench/gpu_check.sh``.
+bitwise against the first. ``--device cuda`` loads to the GPU (``device_map``;
+fastsafetensors with cuFile) and adds InstantTensor, which loads to CUDA devices
+only ("InstantTensor only supports CUDA devices for now"): bench/gpu_check.sh.
 
 Run as root so the page cache is dropped before every cold load.
 """
@@ -204,7 +205,9 @@ def resident(model: Any) -> None:
         flat[::4096].sum()
 
 
-def bench_transformers(work: str, size: int, repeat: int) -> dict[str, Any]:
+def bench_transformers(work: str, size: int, repeat: int, device: str = "cpu") -> dict[str, Any]:
+    """Cold loads of one saved model by each side; ``device="cuda"`` puts the
+    model on the GPU (``device_map="cuda"``) and adds InstantTensor."""
     from transformers import LlamaForCausalLM
 
     from aionvme.integrations import transformers as T
@@ -213,21 +216,36 @@ def bench_transformers(work: str, size: int, repeat: int) -> dict[str, Any]:
     nbytes = save_model(path, size)
     files = [os.path.join(path, f) for f in os.listdir(path)]
     shards = sorted(f for f in files if f.endswith(".safetensors"))
+    where: dict[str, Any] = {} if device == "cpu" else {"device_map": device}
+
+    def handed(state: dict[str, Any]) -> Any:  # a state dict given to transformers as ours is
+        return LlamaForCausalLM.from_pretrained(None, config=path, state_dict=state, **where)
+
     sides: dict[str, Callable[[], Any]] = {
-        "transformers from_pretrained": lambda: LlamaForCausalLM.from_pretrained(path),
-        "aionvme from_pretrained": lambda: T.from_pretrained(LlamaForCausalLM, path),
+        "transformers from_pretrained": lambda: LlamaForCausalLM.from_pretrained(path, **where),
+        "aionvme from_pretrained": lambda: T.from_pretrained(LlamaForCausalLM, path, **where),
     }
     try:
         from fastsafetensors import fastsafe_open
 
         def fst() -> Any:
-            with fastsafe_open(shards, device="cpu", nogds=True) as f:
-                state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
-            return LlamaForCausalLM.from_pretrained(None, config=path, state_dict=state)
+            with fastsafe_open(shards, device=device, nogds=device == "cpu") as f:
+                return handed({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 (not a dict)
 
-        sides["fastsafetensors (CPU, nogds) + state_dict="] = fst
+        sides["fastsafetensors + state_dict="] = fst
     except ImportError as e:
         print(f"fastsafetensors: not installed ({e})", file=sys.stderr)
+    if device != "cpu":
+        try:
+            import instanttensor
+
+            def it() -> Any:
+                with instanttensor.safe_open(shards, framework="pt", device=torch.device(device)) as f:
+                    return handed(dict(f.tensors()))
+
+            sides["InstantTensor + state_dict="] = it
+        except ImportError as e:
+            print(f"InstantTensor: not installed ({e})", file=sys.stderr)
     rows: dict[str, list[float]] = collections.defaultdict(list)
     T.from_pretrained(LlamaForCausalLM, path)  # untimed: imports, the background loop, the engine
     for r in range(repeat):
@@ -238,9 +256,11 @@ def bench_transformers(work: str, size: int, repeat: int) -> dict[str, Any]:
             model = sides[name]()
             call = time.perf_counter() - t
             resident(model)
+            if device != "cpu":
+                torch.cuda.synchronize()
             rows[name].append(time.perf_counter() - t)
             rows[name + " (call alone)"].append(call)
-            sd = model.state_dict()
+            sd = {k: v.cpu() for k, v in model.state_dict().items()}
             if ref is None:
                 ref = sd
             elif list(ref) != list(sd) or not all(torch.equal(ref[k], sd[k]) for k in ref):
@@ -275,6 +295,9 @@ def main() -> None:
     ap.add_argument("--model-size", default="768M", help="transformers model bytes, fp32 (default 768M)")
     ap.add_argument("--repeat", type=int, default=2, help="rounds, sides alternating in order (default 2)")
     ap.add_argument("--only", choices=["lightning", "transformers"], help="one workload")
+    ap.add_argument(
+        "--device", default="cpu", help="transformers: where the model goes (cuda: + InstantTensor)"
+    )
     ap.add_argument("--json", action="store_true", help="print the rounds as JSON too")
     args = ap.parse_args()
     why = drop_caches()
@@ -297,13 +320,16 @@ def main() -> None:
             for f in os.listdir(work):
                 os.remove(os.path.join(work, f))
         if args.only in (None, "transformers"):
-            out["transformers"] = res = bench_transformers(work, parse_size(args.model_size), args.repeat)
+            out["transformers"] = res = bench_transformers(
+                work, parse_size(args.model_size), args.repeat, args.device
+            )
             report(
                 "transformers cold load, sharded safetensors, until every weight is in memory",
                 res,
                 [
                     ("aionvme from_pretrained", "transformers from_pretrained"),
-                    ("aionvme from_pretrained", "fastsafetensors (CPU, nogds) + state_dict="),
+                    ("aionvme from_pretrained", "fastsafetensors + state_dict="),
+                    ("aionvme from_pretrained", "InstantTensor + state_dict="),
                 ],
             )
     if args.json:
