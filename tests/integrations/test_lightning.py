@@ -279,7 +279,18 @@ def test_bad_input_is_a_typed_error(tmp_path: Path) -> None:
 
 
 _KILLED_WRITER = """
-import sys, torch
+import sys, types, abc, torch
+# Only the plugin's save path runs here: stand-ins for Lightning's two base
+# classes spare the child the seconds of importing Lightning.
+for name in ("lightning", "lightning.fabric", "lightning.fabric.plugins", "lightning.fabric.plugins.io"):
+    sys.modules[name] = types.ModuleType(name)
+base = types.ModuleType("lightning.fabric.plugins.io.checkpoint_io")
+base.CheckpointIO = abc.ABC
+sys.modules[base.__name__] = base
+torch_io = types.ModuleType("lightning.fabric.plugins.io.torch_io")
+torch_io.TorchCheckpointIO = object
+sys.modules[torch_io.__name__] = torch_io
+sys.modules["lightning_fabric"] = None  # the other import path: absent
 from aionvme.integrations.lightning import CheckpointIO
 io, path = CheckpointIO(), sys.argv[1]
 step = 0
@@ -362,3 +373,14 @@ def test_both_lightning_import_paths_accept_it() -> None:
     )
     assert isinstance(L.CheckpointIO(), lf.CheckpointIO)
     assert isinstance(L.AsyncCheckpointIO(), lf.CheckpointIO)
+
+
+def test_pytorch_lightning_trainer_takes_it_and_saves_through_it(tmp_path: Path) -> None:
+    ptl = pytest.importorskip("pytorch_lightning", reason="pytorch_lightning not installed")
+    plugin = L.CheckpointIO()
+    trainer = ptl.Trainer(plugins=[plugin], logger=False, enable_progress_bar=False, accelerator="cpu")
+    assert trainer.strategy.checkpoint_io is plugin
+    trainer.strategy.save_checkpoint({"w": torch.ones(3), "step": 1}, tmp_path / "p.ckpt")
+    with open(tmp_path / "p.ckpt", "rb") as f:
+        assert f.read(9)[8:9] == b"{"
+    assert trainer.strategy.load_checkpoint(tmp_path / "p.ckpt")["step"] == 1

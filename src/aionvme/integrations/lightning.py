@@ -53,6 +53,8 @@ try:
 except ImportError:  # pytorch_lightning alone
     _io = importlib.import_module("lightning_fabric.plugins.io.checkpoint_io")
 _Base: Any = _io.CheckpointIO
+# The same package's TorchCheckpointIO: it loads what torch.save wrote.
+_TorchIO: Any = importlib.import_module(_io.__name__.rsplit(".", 1)[0] + ".torch_io").TorchCheckpointIO
 
 __all__ = ["FORMAT", "AsyncCheckpointIO", "CheckpointIO", "LightningCheckpointError", "pack", "unpack"]
 
@@ -322,9 +324,7 @@ class CheckpointIO(_Base):  # type: ignore[misc]
         if not os.path.exists(source):
             raise FileNotFoundError(errno.ENOENT, f"Checkpoint file not found: {source}", source)
         if _is_torch_file(source):
-            from lightning.fabric.utilities.cloud_io import _load
-
-            return _load(source, map_location=map_location, weights_only=weights_only)  # type: ignore[no-any-return]
+            return _TorchIO().load_checkpoint(source, map_location, weights_only)  # type: ignore[no-any-return]
         tree = sync_load(source)
         if isinstance(tree, dict) and tree.get("format") == FORMAT:
             return unpack(tree, source, map_location, weights_only)  # type: ignore[no-any-return]
