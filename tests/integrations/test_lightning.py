@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import aionvme as nvme
 from aionvme.integrations import lightning as L
-from faults.faultkit import child_env, make_loopfs
+from faults.faultkit import SHUTDOWN_NOLOGFLUSH, child_env, make_loopfs
 
 
 class Tiny(pl.LightningModule):
@@ -330,38 +330,38 @@ def test_a_save_killed_midway_leaves_a_whole_checkpoint(tmp_path: Path) -> None:
     assert torch.equal(got["b"], torch.full((7,), float(step)))
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (loop devices, mounts)")
-def test_no_space_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+@pytest.fixture
+def ext4(tmp_path: Path) -> Any:
+    """A fresh 32 MiB ext4 on a loop device (root only), unmounted afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (loop devices, mounts)")
     fs = make_loopfs(tmp_path, "ext4", 32 << 20)
     try:
-        io = L.CheckpointIO()
-        target = fs.mnt / "c.ckpt"
-        io.save_checkpoint({"w": torch.full((1 << 20,), 1.0)}, target)  # 4 MiB
-        with pytest.raises(OSError) as e:
-            io.save_checkpoint({"w": torch.full((16 << 20,), 2.0)}, target)  # 64 MiB on 32 MiB
-        assert e.value.errno == errno.ENOSPC
-        assert torch.equal(io.load_checkpoint(target)["w"], torch.full((1 << 20,), 1.0))
-        assert sorted(os.listdir(fs.mnt)) == ["c.ckpt", "lost+found"], "no temporary file left"
+        yield fs
     finally:
         fs.cleanup()
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (loop devices, mounts)")
-def test_a_saved_checkpoint_survives_a_crash(tmp_path: Path) -> None:
-    from faults.faultkit import SHUTDOWN_NOLOGFLUSH
+def test_no_space_keeps_the_previous_checkpoint(ext4: Any) -> None:
+    io = L.CheckpointIO()
+    target = ext4.mnt / "c.ckpt"
+    io.save_checkpoint({"w": torch.full((1 << 20,), 1.0)}, target)  # 4 MiB
+    with pytest.raises(OSError) as e:
+        io.save_checkpoint({"w": torch.full((16 << 20,), 2.0)}, target)  # 64 MiB on 32 MiB
+    assert e.value.errno == errno.ENOSPC
+    assert torch.equal(io.load_checkpoint(target)["w"], torch.full((1 << 20,), 1.0))
+    assert sorted(os.listdir(ext4.mnt)) == ["c.ckpt", "lost+found"], "no temporary file left"
 
-    fs = make_loopfs(tmp_path, "ext4", 64 << 20)
-    try:
-        io = L.CheckpointIO()
-        target = fs.mnt / "c.ckpt"
-        io.save_checkpoint({"w": torch.full((1 << 20,), 1.0), "step": 1}, target)
-        io.save_checkpoint({"w": torch.full((1 << 20,), 2.0), "step": 2}, target)
-        fs.shutdown(SHUTDOWN_NOLOGFLUSH)  # what was not on disk is lost, like pulling the plug
-        fs.remount()
-        got = io.load_checkpoint(target)
-        assert got["step"] == 2 and torch.equal(got["w"], torch.full((1 << 20,), 2.0))
-    finally:
-        fs.cleanup()
+
+def test_a_saved_checkpoint_survives_a_crash(ext4: Any) -> None:
+    io = L.CheckpointIO()
+    target = ext4.mnt / "c.ckpt"
+    io.save_checkpoint({"w": torch.full((1 << 20,), 1.0), "step": 1}, target)
+    io.save_checkpoint({"w": torch.full((1 << 20,), 2.0), "step": 2}, target)
+    ext4.shutdown(SHUTDOWN_NOLOGFLUSH)  # what was not on disk is lost, like pulling the plug
+    ext4.remount()
+    got = io.load_checkpoint(target)
+    assert got["step"] == 2 and torch.equal(got["w"], torch.full((1 << 20,), 2.0))
 
 
 def test_both_lightning_import_paths_accept_it() -> None:
