@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 pytest.importorskip("lightning", reason="needs lightning (pip install -c constraints.txt lightning)")
@@ -276,6 +277,13 @@ def test_bad_input_is_a_typed_error(tmp_path: Path) -> None:
     nvme.sync_save(tree, tmp_path / "s.ckpt")
     with pytest.raises(L.LightningCheckpointError, match="missing"):
         io.load_checkpoint(tmp_path / "s.ckpt")
+    # a storage of the wrong size, or not bytes at all
+    for wrong in (torch.zeros(15, dtype=torch.uint8), np.zeros(16, dtype=np.uint8)):
+        tree = L.pack({"w": torch.ones(4)})
+        tree["storages"] = [wrong]
+        nvme.sync_save(tree, tmp_path / "s.ckpt")
+        with pytest.raises(L.LightningCheckpointError, match="storage 0"):
+            io.load_checkpoint(tmp_path / "s.ckpt")
 
 
 _KILLED_WRITER = """

@@ -208,8 +208,15 @@ def unpack(tree: Any, path: str, map_location: Any, weights_only: bool | None) -
             return made[key]
         if not key.isdigit() or int(key) >= len(raw):
             raise LightningCheckpointError(f"the pickle names storage {key!r}, which is missing", path)
-        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
-        untyped = raw[int(key)].untyped_storage()
+        dtype = (
+            getattr(storage_type, "dtype", None) if storage_type is not torch.UntypedStorage else torch.uint8
+        )
+        held = raw[int(key)]
+        if not isinstance(dtype, torch.dtype) or not (
+            isinstance(held, torch.Tensor) and held.dtype == torch.uint8 and held.dim() == 1
+        ):
+            raise LightningCheckpointError(f"storage {key} is not a byte tensor of a storage type", path)
+        untyped = held.untyped_storage()
         want = numel * dtype.itemsize
         if untyped.nbytes() != want:
             raise LightningCheckpointError(
