@@ -1,0 +1,1 @@
+"""Tests of aionvme.integrations against the real frameworks (each skipped without its package)."""
