@@ -23,8 +23,19 @@ def _vm_size_kib() -> int:
     pytest.skip("no VmSize in /proc/self/status")
 
 
+@pytest.fixture
+def empty_pool():
+    """No recycled mapping kept (the pool is process-wide): each buffer is a new mapping."""
+    from aionvme.memory import recycle_limit
+
+    limit, _ = recycle_limit()
+    recycle_limit(0)
+    yield
+    recycle_limit(limit)
+
+
 @pytest.mark.parametrize("recycle", [False, True])
-def test_large_buffers_start_on_a_2mib_boundary_and_map_no_slack(recycle):
+def test_large_buffers_start_on_a_2mib_boundary_and_map_no_slack(recycle, empty_pool):
     small = AlignedBuffer(MiB + 5, recycle=recycle)
     assert small.address % (4 * KiB) == 0
     for n in (2 * MiB, 3 * MiB + 5, 4 * MiB + 4 * KiB, 17 * MiB):
@@ -41,7 +52,7 @@ def test_large_buffers_start_on_a_2mib_boundary_and_map_no_slack(recycle):
     assert nvme.empty(5 * MiB).ctypes.data % (2 * MiB) == 0
 
 
-async def test_a_fresh_nvme_get_result_starts_its_pages_on_a_2mib_boundary(tmp_path):
+async def test_a_fresh_nvme_get_result_starts_its_pages_on_a_2mib_boundary(tmp_path, empty_pool):
     # a value of 4 MiB at phase 16: its result's pages (4 MiB + 4 KiB) are
     # read whole into memory that two huge pages can back
     vals = {}
