@@ -15,9 +15,10 @@ segments as they land cannot overlap the read where the device completes
 every chunk in flight at about the same time, as the virtual disk of
 bench/README.md does once reads land in huge pages (the five segments of a
 16 MiB read all landed in one wake-up of the loop): the segments were extra
-requests and callbacks with nothing to overlap. The cost is then the hash's time against
-the read's, about the read's GB/s over the hash's (2.6-2.9 against 25-40
-here): ``bench/suites/bench_store.py --only get-pread`` reports it.
+requests and callbacks with nothing to overlap. The cost is then the hash's
+time against the read's, about the read's GB/s over the hash's (2.6-2.9
+against 25-40 here): ``bench/suites/bench_store.py --only get-pread``
+reports it.
 """
 
 from __future__ import annotations
