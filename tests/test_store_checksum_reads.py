@@ -4,26 +4,15 @@ let run between slices of the hashing, a flipped byte anywhere still caught."""
 from __future__ import annotations
 
 import asyncio
-import os
 from typing import Any
 
 import numpy as np
 import pytest
 
 from aionvme.store import CorruptValueError, TieredStore, _checksum
+from test_store_trust import _flip
 
 MiB = 1 << 20
-
-
-def _flip(s: TieredStore, key: str, at: int) -> None:
-    i, off, _b, _n = s._index[key].disk[0]
-    with open(s._nvme.slabs[i].path, "r+b") as f:
-        f.seek(off + at)
-        b = f.read(1)
-        f.seek(off + at)
-        f.write(bytes([b[0] ^ 0x40]))
-        f.flush()
-        os.fsync(f.fileno())
 
 
 class _Recorder:
