@@ -15,7 +15,10 @@ Workloads (each figure in GB/s, 1 GB = 1e9 bytes):
               off, against File.pread of the same extents into one
               preallocated page-aligned buffer; the three sides alternate per
               round over the same keys, each round in a new order; ratios
-              get/pread (on, off) and the checksum's cost (1 - on/off)
+              get/pread (on, off) and the checksum's cost (1 - on/off) of
+              the median times, then [paired] the median of the same ratios
+              taken call by call (robust to a drifting disk), and the
+              median CPU per call of each side (the process's, all threads)
   host-hit    get of values resident in the host tier: a fresh result per call
               and into a preallocated ``out=``; vs memcpy (np.copyto) into a
               fresh and a preallocated array, alternated in the same run, best
@@ -141,6 +144,7 @@ async def get_vs_pread(d: str, size: int, total: int, drop: bool, rounds: int = 
     n = max(2, total // size)
     vals = _values(n, size)
     times: dict[str, list[float]] = {"on": [], "off": [], "pread": []}
+    cpu: dict[str, list[float]] = {"on": [], "off": [], "pread": []}
     async with nvme.TieredStore(d, host=0) as s:
         await s.put_many({i: v for i, v in enumerate(vals)})
         ext = [s._index[i].disk for i in range(n)]
@@ -158,6 +162,7 @@ async def get_vs_pread(d: str, size: int, total: int, drop: bool, rounds: int = 
                     k = (r + i) % 3
                     for side in sides[k:] + sides[:k]:
                         s._nvme.checksum = side == "on"
+                        c0 = time.process_time()
                         t0 = time.perf_counter()
                         if side == "pread":
                             (_, off, _, nb) = ext[i][0]
@@ -166,6 +171,7 @@ async def get_vs_pread(d: str, size: int, total: int, drop: bool, rounds: int = 
                         else:
                             got = await s.get(i)
                         times[side].append(time.perf_counter() - t0)
+                        cpu[side].append(time.process_time() - c0)
                         if side != "pread":
                             if not np.array_equal(got, vals[i]):
                                 raise SystemExit("get-pread: wrong bytes")
@@ -173,7 +179,15 @@ async def get_vs_pread(d: str, size: int, total: int, drop: bool, rounds: int = 
         finally:
             f.close()
     med = {k: float(np.median(v)) for k, v in times.items()}
+    # the same ratios call by call (the three sides read value i in one
+    # round back to back), then their median: a drift of the shared disk
+    # between rounds cancels out
+    t = {k: np.asarray(v) for k, v in times.items()}
     return {
+        "ratio_paired": float(np.median(t["pread"] / t["on"])),
+        "ratio_nocheck_paired": float(np.median(t["pread"] / t["off"])),
+        "checksum_cost_paired": float(np.median(1 - t["off"] / t["on"])),
+        "cpu_us": {k: float(np.median(v)) * 1e6 for k, v in cpu.items()},
         "size": size,
         "calls": n * rounds,
         "get_GBps": size / med["on"] / GB,
@@ -558,12 +572,17 @@ def main(argv: list[str] | None = None) -> int:
         res["get_pread"] = [asyncio.run(get_vs_pread(base, s, total, drop, max(3, a.repeat))) for s in sizes]
         print(
             "get-pread  (cold, one at a time):  size  get GB/s (checksum on / off)  pread GB/s  ratios  cost"
+            "  [paired: ratios  cost]  CPU µs/call on / off / pread"
         )
         for r in res["get_pread"]:
+            c = r["cpu_us"]
             print(
                 f"  {r['size'] >> 20:>5} MiB  {r['get_GBps']:.2f} / {r['get_nocheck_GBps']:.2f}"
                 f"  {r['pread_GBps']:.2f}  {r['ratio']:.2f} / {r['ratio_nocheck']:.2f}"
                 f"  {100 * r['checksum_cost']:.1f}%"
+                f"  [{r['ratio_paired']:.2f} / {r['ratio_nocheck_paired']:.2f}"
+                f"  {100 * r['checksum_cost_paired']:.1f}%]"
+                f"  {c['on']:.0f} / {c['off']:.0f} / {c['pread']:.0f}"
             )
         if a.only == "get-pread":
             if a.json:

@@ -132,11 +132,43 @@ def recycle_limit(object nbytes=None):
     return _recycle_limit, _recycled_bytes
 
 
+# Mappings of this size or more start on a 2 MiB boundary (mapped 2 MiB larger,
+# the slack before and after unmapped again) and ask for transparent huge
+# pages: then every whole 2 MiB of the buffer can be one huge page, where a
+# mapping placed wherever mmap puts it gets them only for the 2 MiB runs that
+# happen to fall inside it. An O_DIRECT read into huge pages is one segment
+# per 2 MiB, not one per 4 KiB page (see bounce.pxi): bench/probes/
+# hugepage_reads.py, a cold 16 MiB read took 6.2 ms into huge pages and 15.2
+# ms into 4 KiB ones on bench/README.md's virtual disk.
+cdef Py_ssize_t _HUGE = 2 * 1024 * 1024
+
+
+cdef void *_map_aligned(Py_ssize_t mapped) noexcept nogil:
+    """An anonymous private mapping of ``mapped`` bytes (a multiple of the
+    page size) starting on a 2 MiB boundary where mapped >= 2 MiB, with the
+    huge-page hint (else where mmap puts it); MAP_FAILED if mmap fails."""
+    cdef char *p
+    cdef Py_ssize_t head
+    p = <char *>MAP_FAILED
+    if _HUGE <= mapped <= (<Py_ssize_t>0x7fffffffffffffff) - _HUGE:
+        p = <char *>mmap(NULL, mapped + _HUGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+    if <void *>p == MAP_FAILED:   # small, or no room for the slack: wherever mmap puts it
+        return mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+    head = <Py_ssize_t>((_HUGE - <uintptr_t>p % _HUGE) % _HUGE)
+    if head:
+        munmap(p, head)
+    if _HUGE - head:
+        munmap(p + head + mapped, _HUGE - head)
+    madvise(p + head, mapped, MADV_HUGEPAGE)   # a hint; failure is harmless
+    return p + head
+
+
 cdef class AlignedBuffer:
     """Page-aligned, zero-filled memory with the buffer protocol.
 
-    Backed by an anonymous mmap, so it is aligned for any O_DIRECT device and
-    large ones can use transparent huge pages. numpy arrays and torch tensors
+    Backed by an anonymous mmap, so it is aligned for any O_DIRECT device;
+    one of 2 MiB or more starts on a 2 MiB boundary and asks for transparent
+    huge pages. numpy arrays and torch tensors
     made from it keep it alive.
 
     ``recycle=True``: the memory may come from an earlier recycled buffer of
@@ -171,15 +203,13 @@ cdef class AlignedBuffer:
                 aionvme_atomic_add(&_live_aligned_bytes, self.mapped)
                 return
         with nogil:
-            p = mmap(NULL, self.mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+            p = _map_aligned(self.mapped)
         if p == MAP_FAILED:
             self.ptr = NULL
             raise MemoryError(f"cannot map {nbytes} bytes: {os.strerror(errno)}")
         self.ptr = <char *>p
         aionvme_atomic_add(&_live_aligned, 1)
         aionvme_atomic_add(&_live_aligned_bytes, self.mapped)
-        if self.mapped >= 4 * 1024 * 1024:
-            madvise(p, self.mapped, MADV_HUGEPAGE)   # a hint; failure is harmless
         if lock:
             with nogil:
                 rc = mlock(p, self.mapped)

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .._engine import AlignedBuffer
+from .._engine import AlignedBuffer, buffer_info
 from ..exceptions import BufferTypeError, DeviceError, NonContiguousBufferError, import_torch
 from ._alloc import round_up
 from ._errors import OutBufferError, StoreKeyTypeError
@@ -214,6 +214,8 @@ def address(buf: Any) -> int:
     """The address of a host buffer's first byte (a numpy array or a CPU
     tensor), 0 for anything else (a CUDA tensor)."""
     if isinstance(buf, np.ndarray):
+        if buf.flags.c_contiguous:
+            return int(buffer_info(buf)[0])  # 0.1 µs; ndarray.ctypes.data builds an object: 3 µs
         return int(buf.ctypes.data)
     if _is_tensor(buf) and buf.device.type == "cpu":
         return int(buf.data_ptr())
