@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import sys
 import time
 import warnings
@@ -320,6 +321,20 @@ def main() -> None:
         dcp.save(state(mesh, world, 300), storage_writer=aionvme.dcp.Writer(own, replicas=2))
         load_and_check(own, state(mesh, world, 300), world, "ours")
         out["after"] = len([n for n in os.listdir(own) if n.endswith(".distcp")])
+    elif scenario == "splitcommit":
+        # one rank per "node": a crash after node 0 committed step 200 but
+        # before node 1 did leaves node 1 with step 100's .metadata; every
+        # rank must load the newest complete checkpoint (200), the same one
+        os.environ["GROUP_RANK"] = str(rank)
+        own = f"{base}/node{rank}"
+        dcp.save(state(mesh, world, 100), storage_writer=aionvme.dcp.Writer(own, replicas=2))
+        late = aionvme.dcp.Writer(own, replicas=2)
+        if rank == 1:
+            late._commit = lambda *args, **kwargs: None  # type: ignore[method-assign]
+        dcp.save(state(mesh, world, 200), storage_writer=late)
+        with open(f"{own}/.metadata", "rb") as fh:
+            out["own_step"] = pickle.load(fh).storage_meta.save_id
+        load_and_check(own, state(mesh, world, 200, layout="resharded"), world, "ours")
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     dist.barrier()

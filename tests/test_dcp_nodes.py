@@ -172,3 +172,11 @@ def test_replica_placement_is_a_ring_over_node_directories() -> None:
         topo(["0", "1", "2"], [[0, 1], [2]]).check_replicas(2, "/ckpt")
     with pytest.raises(ValueError, match="name different directories"):
         topo(["0", "0", "1"], [[0], [1], [2]]).check_replicas(2, "/ckpt")
+
+
+def test_nodes_whose_commits_a_crash_split_load_the_newest_complete_checkpoint(tmp_path: Path) -> None:
+    """Node 1 never committed the second save (as if it crashed between the
+    nodes' commits): its .metadata is the first save's. Both ranks load the
+    second (its data was on both nodes before the first commit)."""
+    res = _group("splitcommit", 2, tmp_path)
+    assert res[0]["own_step"] > res[1]["own_step"]  # the directories did disagree

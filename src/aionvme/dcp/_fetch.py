@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
+import pickle
 from collections import defaultdict
 from typing import Any
 
@@ -58,6 +60,18 @@ async def _read_ranges(path: str, ranges: list[Range]) -> list[memoryview]:
     return [mem[p + off - first : p + off - first + n] for (_, off, n), (p, first, _) in zip(ranges, place)]
 
 
+def _describe(raw: bytes) -> tuple[str, str, list[str]] | None:
+    """(digest, save_id, data files named) of a ``.metadata`` file's bytes,
+    None when they are no checkpoint metadata."""
+    try:
+        md = pickle.loads(raw)
+        files = sorted({info.relative_path for info in md.storage_data.values()})
+        save_id = str(getattr(md.storage_meta, "save_id", "") or "")
+    except Exception:
+        return None
+    return hashlib.sha256(raw).hexdigest(), save_id, files
+
+
 class Peers:
     """One load's view of the process group: every directory's files."""
 
@@ -67,23 +81,38 @@ class Peers:
         self.files: list[set[str]] = []  # by place
 
     def metadata(self) -> bytes:
-        """This directory's ``.metadata``, or the first other rank's
-        (collective: every rank of the default group calls it)."""
+        """The ``.metadata`` this load uses: this directory's, or another
+        rank's (collective: every rank of the default group calls it).
+
+        Nodes commit one after another, so a crash between two commits
+        leaves directories with different ``.metadata``: the newest (by the
+        writer's time-ordered ``save_id``) whose files the live nodes hold
+        is the one every rank loads (its data was complete on every node
+        before the first commit)."""
         raw: bytes | None = None
         names: list[str] = []
         with contextlib.suppress(OSError), open(os.path.join(self.path, METADATA), "rb") as fh:
             raw = fh.read()
         with contextlib.suppress(OSError):
             names = sorted(n for n in os.listdir(self.path) if n.endswith(SUFFIX))
-        self.topo = topo = Topology.gather(self.path, dist.get_rank() == 0, (raw is not None, names), True)
+        mine = _describe(raw) if raw is not None else None
+        self.topo = topo = Topology.gather(self.path, dist.get_rank() == 0, (mine, names), True)
         self.files = [set().union(*(topo.extra[r][1] for r in ranks)) for ranks in topo.places]
-        holders = [r for r, (has, _) in enumerate(topo.extra) if has]
-        if not holders:
+        held = set().union(*self.files)
+        versions: dict[str, tuple[str, list[str], int]] = {}  # digest -> (save_id, files, first holder)
+        for r, (desc, _) in enumerate(topo.extra):
+            if desc is not None and desc[0] not in versions:
+                versions[desc[0]] = (desc[1], desc[2], r)
+        if not versions:
             raise CheckpointMissingError(self.path, {METADATA: []})
-        if any(not has for has, _ in topo.extra):
-            box = [raw if topo.rank == holders[0] else None]
-            dist.broadcast_object_list(box, src=holders[0], group=group())
-            raw = raw if raw is not None else box[0]
+        complete = [d for d, (_, files, _) in versions.items() if set(files) <= held]
+        chosen = max(complete or list(versions), key=lambda d: versions[d][0])
+        if any(desc is None or desc[0] != chosen for desc, _ in topo.extra):
+            src = versions[chosen][2]
+            box = [raw if topo.rank == src else None]
+            dist.broadcast_object_list(box, src=src, group=group())
+            if mine is None or mine[0] != chosen:
+                raw = box[0]
         if not isinstance(raw, bytes):  # pragma: no cover - a holder sends bytes
             raise CheckpointPeerError(errno.EPROTO, "no metadata arrived", self.path)
         return raw

@@ -33,6 +33,7 @@ import os
 import pickle
 import re
 import secrets
+import time
 import uuid
 import warnings
 from typing import Any
@@ -276,6 +277,13 @@ def write_replicated(
     return err
 
 
+def _save_id() -> str:
+    """A save's id, ordered by time (nanoseconds, then a random uuid): of two
+    nodes' ``.metadata`` after a crash between their commits, the reader
+    loads the newest complete one."""
+    return f"{time.time_ns():020d}-{uuid.uuid4()}"
+
+
 class Writer(StorageWriter, Stager):
     """A ``torch.distributed.checkpoint`` storage writer on aionvme.
 
@@ -383,7 +391,7 @@ class Writer(StorageWriter, Stager):
         self.overwrite = overwrite
         self.remove_stale = remove_stale
         self.peers = peers
-        self.save_id = str(uuid.uuid4())
+        self.save_id = _save_id()
         self.rank: int | None = None
         self.use_collectives = True
         self.is_coordinator = False
@@ -397,7 +405,7 @@ class Writer(StorageWriter, Stager):
         self._unlock()  # a save that failed on another rank never reached finish
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
-        self.save_id = str(uuid.uuid4())
+        self.save_id = _save_id()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._unlock()
