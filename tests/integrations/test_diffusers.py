@@ -169,3 +169,23 @@ def test_unsupported_arguments_and_grad_mode(tmp_path):
             m(*args, **kw)
     finally:
         remove_group_offloading(m)
+
+
+def test_the_rest_of_the_model_is_read_once_for_all_passes(tmp_path):
+    # The rest group is led by the model itself; the streamer began the pass after acquiring
+    # it, so it never entered the recorded schedule, was never pinned and was read every pass.
+    from aionvme.offload import streamer_of
+
+    m = _unet()
+    args, kw = _inputs("unet")
+    apply_group_offloading(m, "cpu", num_blocks_per_group=1, offload_to_disk_path=tmp_path)
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                m(*args, **kw)
+        s = streamer_of(m)
+        reads = [name for name, kind, _, _ in s.timeline if kind == "io"]
+        assert reads.count("<rest>") == 1
+        assert reads.count("up_blocks.1") == 3  # the blocks do stream: the budget is less than the model
+    finally:
+        remove_group_offloading(m)
