@@ -236,8 +236,33 @@ def _model_kwargs(
     return directory, kwargs.get("variant"), rest
 
 
+def _concrete(model_class: Any, rest: dict[str, Any]) -> Any:
+    """The model class an ``AutoModel...`` class picks for the config, as its
+    from_pretrained does (an Auto class cannot take ``state_dict=`` without a
+    path); any other class as it is."""
+    mapping = getattr(model_class, "_model_mapping", None)
+    if mapping is None:
+        return model_class
+    from transformers import AutoConfig, PretrainedConfig
+
+    config = rest["config"]
+    if not isinstance(config, PretrainedConfig):
+        config = AutoConfig.from_pretrained(config, trust_remote_code=rest.get("trust_remote_code"))
+    try:
+        found = mapping[type(config)]
+    except KeyError:
+        raise ValueError(
+            f"{model_class.__name__} has no model class for {type(config).__name__} "
+            "(remote code models: pass their class itself)"
+        ) from None
+    if isinstance(found, (list, tuple)):  # several: the one the config names, as transformers picks
+        names = set(getattr(config, "architectures", None) or [])
+        found = next((c for c in found if c.__name__ in names), found[0])
+    return found
+
+
 def _build(model_class: Any, path: Any, state: dict[str, Any], rest: dict[str, Any]) -> Any:
-    out = model_class.from_pretrained(None, state_dict=state, **rest)
+    out = _concrete(model_class, rest).from_pretrained(None, state_dict=state, **rest)
     model = out[0] if isinstance(out, tuple) else out
     model.config.name_or_path = os.fsdecode(os.fspath(path))  # as transformers records the path it loaded
     return out
