@@ -225,6 +225,10 @@ def test_missing_directory_or_weights_and_bad_arguments(saved: dict[str, Path], 
         T.from_pretrained(LlamaForCausalLM, saved["llama_single"], state_dict={})
     with pytest.raises(ValueError, match="safetensors"):
         T.from_pretrained(LlamaForCausalLM, saved["llama_single"], use_safetensors=False)
+    with pytest.raises(ValueError, match="disk offload"):
+        T.from_pretrained(LlamaForCausalLM, saved["llama_single"], device_map="auto", offload_folder=tmp_path)
+    with pytest.raises(ValueError, match="disk offload"):
+        T.from_pretrained(LlamaForCausalLM, saved["llama_single"], device_map={"": "disk"})
 
 
 async def test_async_form_and_the_blocking_form_on_a_loop(saved: dict[str, Path]) -> None:

@@ -218,6 +218,14 @@ def _model_kwargs(
             raise TypeError(
                 f"{bad}= is not for aionvme's from_pretrained: it loads the weights of the directory"
             )
+    dm = kwargs.get("device_map")
+    if kwargs.get("offload_folder") is not None or (isinstance(dm, dict) and "disk" in dm.values()):
+        # transformers builds its disk-offload index from the weight files, which it is not
+        # given here (a forward pass of a model loaded so then fails on tied weights)
+        raise ValueError(
+            "disk offload (offload_folder=, device_map with 'disk') is not supported by aionvme's "
+            "from_pretrained: use ModelClass.from_pretrained, or aionvme.integrations.accelerate"
+        )
     if kwargs.get("use_safetensors") is False:
         raise ValueError("use_safetensors=False: aionvme loads safetensors weights only")
     directory = os.fsdecode(os.fspath(path))
