@@ -1,6 +1,6 @@
 """Lightning checkpoints and transformers cold loads through aionvme, side by side with the frameworks' own.
 
-    python3 bench/suites/bench_integrations_io.py     # 1 GiB checkpoint, 0.75 GiB model, 2 rounds
+    python3 bench/suites/bench_integrations_io.py     # 1.13 GiB checkpoint, 0.75 GiB model, 2 rounds
     python3 bench/suites/bench_integrations_io.py --ckpt-size 2G --model-size 1.5G --repeat 3 --json
 
 Lightning: a checkpoint shaped as Lightning's ``dump_checkpoint`` makes it (a model
@@ -305,7 +305,7 @@ def report(title: str, res: dict[str, Any], pairs: list[tuple[str, str]]) -> Non
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", help="where the files go (default: a scratch directory on a local disk)")
-    ap.add_argument("--ckpt-size", default="1G", help="Lightning checkpoint bytes (default 1G)")
+    ap.add_argument("--ckpt-size", default="1200M", help="Lightning checkpoint bytes (default 1200M)")
     ap.add_argument("--model-size", default="768M", help="transformers model bytes, fp32 (default 768M)")
     ap.add_argument("--repeat", type=int, default=2, help="rounds, sides alternating in order (default 2)")
     ap.add_argument("--only", choices=["lightning", "transformers"], help="one workload")

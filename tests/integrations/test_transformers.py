@@ -85,6 +85,22 @@ def test_same_model_as_from_pretrained(saved: dict[str, Path], name: str) -> Non
     assert (emb is head) == (name != "llama_untied")
 
 
+def test_auto_classes(saved: dict[str, Path]) -> None:
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    got = T.from_pretrained(AutoModelForCausalLM, saved["gpt2_sharded"])
+    ref = AutoModelForCausalLM.from_pretrained(saved["gpt2_sharded"])
+    assert type(got) is type(ref) is GPT2LMHeadModel
+    _same_model(got, ref)
+    base, ref_base = (
+        T.from_pretrained(AutoModel, saved["llama_sharded"]),
+        AutoModel.from_pretrained(saved["llama_sharded"]),
+    )
+    assert type(base) is type(ref_base) and base.config.to_dict() == ref_base.config.to_dict()
+    a, b = base.state_dict(), ref_base.state_dict()
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_dtype_and_config_kwargs_are_honoured(saved: dict[str, Path], tmp_path: Path) -> None:
     d = saved["llama_sharded"]
     kw: dict[str, Any] = {"dtype": torch.float16, "output_attentions": True, "attn_implementation": "eager"}
@@ -209,6 +225,10 @@ def test_missing_directory_or_weights_and_bad_arguments(saved: dict[str, Path], 
         T.from_pretrained(LlamaForCausalLM, saved["llama_single"], state_dict={})
     with pytest.raises(ValueError, match="safetensors"):
         T.from_pretrained(LlamaForCausalLM, saved["llama_single"], use_safetensors=False)
+    with pytest.raises(ValueError, match="disk offload"):
+        T.from_pretrained(LlamaForCausalLM, saved["llama_single"], device_map="auto", offload_folder=tmp_path)
+    with pytest.raises(ValueError, match="disk offload"):
+        T.from_pretrained(LlamaForCausalLM, saved["llama_single"], device_map={"": "disk"})
 
 
 async def test_async_form_and_the_blocking_form_on_a_loop(saved: dict[str, Path]) -> None:

@@ -218,6 +218,14 @@ def _model_kwargs(
             raise TypeError(
                 f"{bad}= is not for aionvme's from_pretrained: it loads the weights of the directory"
             )
+    dm = kwargs.get("device_map")
+    if kwargs.get("offload_folder") is not None or (isinstance(dm, dict) and "disk" in dm.values()):
+        # transformers builds its disk-offload index from the weight files, which it is not
+        # given here (a forward pass of a model loaded so then fails on tied weights)
+        raise ValueError(
+            "disk offload (offload_folder=, device_map with 'disk') is not supported by aionvme's "
+            "from_pretrained: use ModelClass.from_pretrained, or aionvme.integrations.accelerate"
+        )
     if kwargs.get("use_safetensors") is False:
         raise ValueError("use_safetensors=False: aionvme loads safetensors weights only")
     directory = os.fsdecode(os.fspath(path))
@@ -236,8 +244,33 @@ def _model_kwargs(
     return directory, kwargs.get("variant"), rest
 
 
+def _concrete(model_class: Any, rest: dict[str, Any]) -> Any:
+    """The model class an ``AutoModel...`` class picks for the config, as its
+    from_pretrained does (an Auto class cannot take ``state_dict=`` without a
+    path); any other class as it is."""
+    mapping = getattr(model_class, "_model_mapping", None)
+    if mapping is None:
+        return model_class
+    from transformers import AutoConfig, PretrainedConfig
+
+    config = rest["config"]
+    if not isinstance(config, PretrainedConfig):
+        config = AutoConfig.from_pretrained(config, trust_remote_code=rest.get("trust_remote_code"))
+    try:
+        found = mapping[type(config)]
+    except KeyError:
+        raise ValueError(
+            f"{model_class.__name__} has no model class for {type(config).__name__} "
+            "(remote code models: pass their class itself)"
+        ) from None
+    if isinstance(found, (list, tuple)):  # several: the one the config names, as transformers picks
+        names = set(getattr(config, "architectures", None) or [])
+        found = next((c for c in found if c.__name__ in names), found[0])
+    return found
+
+
 def _build(model_class: Any, path: Any, state: dict[str, Any], rest: dict[str, Any]) -> Any:
-    out = model_class.from_pretrained(None, state_dict=state, **rest)
+    out = _concrete(model_class, rest).from_pretrained(None, state_dict=state, **rest)
     model = out[0] if isinstance(out, tuple) else out
     model.config.name_or_path = os.fsdecode(os.fspath(path))  # as transformers records the path it loaded
     return out
