@@ -107,6 +107,11 @@ _LAZY: dict[str, tuple[str, str]] = {
         "aionvme.data.Loader: one shuffled epoch, fio randread alongside (-o sample=128K,batch=64,mode=sync)",
     ),
     "store": ("aionvme.bench.tiered:store_workload", "TieredStore put/get/host-hit (-o value=4M -o host=16)"),
+    "kv": (
+        "aionvme.bench.kv:kv_workload",
+        "the store as a serving engine's KV tier: load/store grid vs fio, churn, host hit "
+        "(-o sizes=512K,2M,8M,32M -o batches=1,8,32,128 -o total=256M -o churn=64M)",
+    ),
     "offload": (
         "aionvme.bench.offload:offload_workload",
         "offload.stream pass + Optimizer step vs their bounds",

@@ -29,25 +29,36 @@ from ._nvme import span
 from ._policy import Admission
 from ._tiers import Entry
 
-__all__ = ["Evictor", "Jobs", "PinTable", "key_list"]
+__all__ = ["Evictor", "Jobs", "PinTable", "cache_capacity", "key_list"]
 
 T = TypeVar("T")
 
 
+# Part of each slab kept for the filesystem's own blocks of the file, which
+# st_blocks counts: ext4's extent tree grows as writes split the
+# preallocated (unwritten) extents, one 4 KiB block per 340 extents, at worst
+# one extent per 4 KiB page (a 1 GiB slab takes one such block at once;
+# 2000 random 4 KiB writes into a 256 MiB one took 13).
+FS_RESERVE = 256  # 1/256 of the slab (at least a page)
+
+
 def cache_capacity(on_full: str, given: object, nvme: int | None, ndirs: int) -> int | None:
-    """The NVMe tier's capacity for ``on_full`` (checked): in cache mode
-    ``nvme=`` is required, and rounded down to whole pages per directory
-    (the tier never exceeds it)."""
+    """The NVMe tier's capacity for ``on_full`` (checked). In cache mode
+    ``nvme=`` is required and bounds what the slab files take on disk: each
+    slab gets its share, less FS_RESERVE for the filesystem's blocks of it,
+    in whole pages."""
     if on_full not in ("raise", "evict"):
         raise ValueError(f"on_full must be 'raise' or 'evict', got {on_full!r}")
     if on_full == "raise":
         return nvme
     if nvme is None:
         raise ValueError("on_full='evict' needs the NVMe tier's capacity (nvme=)")
-    nvme -= nvme % (ALIGN * ndirs)
-    if nvme <= 0:
-        raise ValueError(f"nvme={given!r} is less than a page per directory")
-    return nvme
+    per = nvme // ndirs
+    per -= max(ALIGN, round_up(per // FS_RESERVE))
+    per -= per % ALIGN
+    if per <= 0:
+        raise ValueError(f"nvme={given!r} is less than two pages per directory")
+    return per * ndirs
 
 
 def key_list(keys: Iterable[Hashable], what: str) -> list[Hashable]:
@@ -60,8 +71,9 @@ def key_list(keys: Iterable[Hashable], what: str) -> list[Hashable]:
 
 class PinTable:
     """``store.pin`` / ``store.unpin``: per key, the entries its pins hold
-    (oldest first: a key replaced while pinned keeps its old value's pins),
-    and the keys cache-mode eviction dropped since ``drain``."""
+    (oldest first; a put moves them to the key's new value, a delete leaves
+    them on the deleted one, whose bytes stay until they go), and the keys
+    cache-mode eviction dropped since ``drain``."""
 
     def __init__(
         self, mover: Mover, index: dict[Hashable, Entry], loop: Callable[[], asyncio.AbstractEventLoop | None]
@@ -72,6 +84,23 @@ class PinTable:
         self.loop = loop
         self.by_key: dict[Hashable, list[Entry]] = {}
         self.evicted: list[Hashable] = []
+        mover.handover = self.handover
+
+    def handover(self, old: Entry, new: Entry) -> None:
+        """A put replaced a key's value: its pins now hold the new value (a
+        load of a pinned key after the put finds it), and the old one is
+        freed once its readers are done."""
+        with self.lock:
+            held = self.by_key.get(old.key)
+            if not held:
+                return
+            n = 0
+            for i, e in enumerate(held):
+                if e is old:
+                    held[i] = new
+                    n += 1
+            old.pins -= n
+            new.pins += n
 
     def pin(self, keys: list[Hashable]) -> list[bool]:
         out: list[bool] = []
@@ -189,6 +218,7 @@ class Evictor:
         victims: list[Entry] = []
         freed = 0
         gone: list[Hashable] = []
+        journaled = self.journal is not None
         with self.pins.lock:
             for k in self.lru:
                 e = self.index.get(k)
@@ -200,7 +230,9 @@ class Evictor:
                     ext is None
                     or e.busy()
                     or e.replaced is not None
-                    or k in self.queues  # a put or delete of it is under way: journal order
+                    # a put or delete of it is under way: its journal record
+                    # could precede the delete's (a scratch store has none)
+                    or (journaled and k in self.queues)
                     or any(x[0] < 0 for x in ext)  # attached: its file is not the tier's space
                 ):
                     continue
@@ -261,6 +293,7 @@ class Jobs:
         self.closed = False
         self.futures: set[concurrent.futures.Future[Any]] = set()
         self._fd = -1
+        self.pid = os.getpid()  # a forked child's jobs would wait for a loop that is not there
 
     def fd(self) -> int:
         with self.lock:
@@ -274,9 +307,11 @@ class Jobs:
         self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]
     ) -> concurrent.futures.Future[T]:
         with self.lock:
-            if self.closed or loop.is_closed():
+            if self.closed or loop.is_closed() or os.getpid() != self.pid:
                 coro.close()
                 why = "the store is closed" if self.closed else "the store's event loop is closed"
+                if os.getpid() != self.pid:
+                    why = "the store belongs to the parent process (fork)"
                 raise StoreClosedError(why)
             fut = asyncio.run_coroutine_threadsafe(coro, loop)
             self.futures.add(fut)

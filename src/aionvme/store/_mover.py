@@ -94,6 +94,8 @@ class Mover:
         self.copy_pool: concurrent.futures.ThreadPoolExecutor | None = None
         # guards Entry.pins and Entry.dead (pins are taken on any thread, see Entry)
         self.pin_lock = threading.Lock()
+        # a key's pins follow it to its new value (set by the store, see _kv.PinTable)
+        self.handover: Callable[[Entry, Entry], None] = lambda old, new: None
 
     def note_error(self, exc: BaseException) -> None:
         self.errors.append(exc)

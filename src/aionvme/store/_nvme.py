@@ -343,10 +343,12 @@ class NvmeTier:
         fits) only if compaction did not join them. StoreFullError
         for a value larger than the tier, or when nothing is left to drop
         (everything pinned, read or written)."""
-        need = sum(round_up(max(n, 1)) for _o, n in self.pieces(nbytes))
-        if need > self.capacity:
+        sizes = [round_up(max(n, 1)) for _o, n in self.pieces(nbytes)]
+        need = sum(sizes)
+        if need > self.capacity or max(sizes) > max(s.size for s in self.slabs):  # no drop makes room
             raise StoreFullError(
-                f"a value of {nbytes} bytes is larger than the whole NVMe tier ({self.capacity} bytes)",
+                f"a value of {nbytes} bytes is larger than the NVMe tier can hold ({self.capacity} bytes "
+                f"in {len(self.slabs)} slab(s) of at most {max(s.size for s in self.slabs)})",
                 self.slabs[0].path,
             )
         since = -1  # bytes dropped since the last compaction (-1: none yet)

@@ -91,10 +91,11 @@ class TieredStore(KVCalls):
     on_full : {'raise', 'evict'}
         What a put does when the NVMe tier is full: raise StoreFullError
         (default), or, as a cache, drop the coldest values (by last put or
-        get) that nobody pins, reads or holds, from every tier, until it
-        fits (needs ``nvme=``; disk use never exceeds it). Dropped keys are
-        listed by :meth:`drain_evicted`; with ``persist=True`` each drop is
-        journaled as a delete. A value larger than the whole tier still raises.
+        get) that nobody pins, reads or holds, from every tier, until it fits
+        (needs ``nvme=``, which then bounds the slabs' disk use: they hold
+        1/256 less, room for the filesystem's own blocks of them). Dropped
+        keys are listed by :meth:`drain_evicted`; with ``persist=True`` each
+        drop is journaled as a delete. A value larger than the tier raises.
 
     Notes
     -----

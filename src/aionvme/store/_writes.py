@@ -117,6 +117,7 @@ class Writes:
                 old = self.index.get(e.key)
                 self.index[e.key] = e
                 if old is not None:
+                    m.handover(old, e)
                     m.retire(old)
             for prev in reused:
                 prev.replaced.set_result(None)  # type: ignore[union-attr]
@@ -262,6 +263,7 @@ class Writes:
             old = self.index.get(key)
             self.index[key] = e
             if old is not None:
+                self.mover.handover(old, e)
                 self.mover.retire(old)
             self.admission.forget(key)
 
