@@ -551,9 +551,7 @@ def main(argv: list[str] | None = None) -> int:
             res = shared_procedure(base, sides, sizes, batches, total)
         finally:
             shutil.rmtree(base, ignore_errors=True)
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(res, f, indent=1)
+        _dump(a.json, res)
         return 0
     if a.churn:
         cap = parse_size("32M" if a.quick else a.churn_cap)
@@ -570,9 +568,7 @@ def main(argv: list[str] | None = None) -> int:
             f" {c['peak_disk_bytes'] / 2**20:.1f} MiB (allocated blocks {c['peak_allocated_bytes']} bytes,"
             f" budget {cap})"
         )
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(c, f, indent=1)
+        _dump(a.json, c)
         return 1 if c["wrong"] or c["locked_not_loaded"] or c["peak_disk_bytes"] > cap else 0
     res: dict[str, Any] = {"total": total, "repeat": a.repeat, "cold": drop_caches() is None, "points": []}
     print(
@@ -589,10 +585,14 @@ def main(argv: list[str] | None = None) -> int:
             del pool
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    _dump(a.json, res)
     return 0
+
+
+def _dump(path: str | None, res: dict[str, Any]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":
