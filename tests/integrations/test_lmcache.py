@@ -436,6 +436,35 @@ def test_load_tasks_in_flight_together_each_get_their_own_result(adapter: Aionvm
     assert not tasks
 
 
+@pytest.mark.gpu
+def test_loads_into_lmcache_buffers_in_gpu_memory(adapter: AionvmeL2Adapter) -> None:
+    """LMCache's L1 can live in GPU memory: stores from CUDA MemoryObjs and
+    loads into them (the store's CUDA path), a miss left untouched."""
+    if not torch.cuda.is_available():
+        pytest.skip(
+            "needs a CUDA device (LMCache buffers in GPU memory; bench/gpu_check.sh runs the gpu tests)"
+        )
+
+    def on_gpu(obj: Any) -> Any:
+        meta = MemoryObjMetadata(
+            shape=obj.meta.shape,
+            dtype=obj.meta.dtype,
+            address=0,
+            phy_size=CHUNK,
+            ref_count=1,
+            fmt=MemoryFormat.KV_2LTD,
+        )
+        return TensorMemoryObj(obj.raw_data.cuda(), meta, parent_allocator=None)
+
+    srcs = [chunk(i) for i in range(3)]
+    assert store(adapter, [key(0), key(1)], [on_gpu(srcs[0]), srcs[1]]).is_successful()
+    dst = [on_gpu(empty()) for _ in range(3)]
+    assert load(adapter, [key(0), key(9), key(1)], dst) == [0, 2]
+    assert torch.equal(dst[0].tensor.cpu(), srcs[0].tensor)
+    assert torch.equal(dst[2].tensor.cpu(), srcs[1].tensor)
+    assert not dst[1].tensor.view(torch.int16).any()
+
+
 # -- threads, close ------------------------------------------------------------------------------
 
 
