@@ -31,10 +31,17 @@ time of the whole process, every thread of the adapter included):
   churn   (--churn, aionvme only: LMCache's file adapters have no bound of
           their own) store 10x a --churn-cap budget in new keys while another
           thread looks up, loads and checks random keys written so far: every
-          load returns its bytes or a miss; peak disk use (allocated blocks)
+          load returns its bytes or a miss; peak disk use: the store's files'
+          size (its space), and their allocated blocks (ext4 counts the
+          extent-tree block it adds once writes split the preallocated
+          extents: 4 KiB over the size, file-system metadata, not data)
 
 Each point runs every side and fio --repeat times, in rounds whose order
 rotates; the figures are medians.
+
+--shared runs instead the procedure aionvme.bench.kv times every KV tier with
+(time_stores / time_loads: one blocking call at a time, numpy buffers, cold
+loads, verified), each side wrapped as its load(keys, outs) / store(keys, values).
 
     python3 bench/suites/bench_kv_lmcache.py --quick
     python3 bench/suites/bench_kv_lmcache.py --churn --sizes 2M --churn-cap 256M
@@ -305,7 +312,7 @@ def churn(base: str, size: int, cap: int, factor: int, batch: int) -> dict[str, 
 
     t = threading.Thread(target=reader)
     t.start()
-    peak, failed = 0, 0
+    peak, peak_alloc, failed = 0, 0, 0
     t0 = time.perf_counter()
     try:
         for first in range(0, n, batch):
@@ -320,7 +327,9 @@ def churn(base: str, size: int, cap: int, factor: int, batch: int) -> dict[str, 
             )
             failed += sum(not r.is_successful() for r in res.values())
             written[0] = ids[-1] + 1
-            peak = max(peak, sum(os.stat(os.path.join(d, f)).st_blocks * 512 for f in os.listdir(d)))
+            sts = [os.stat(os.path.join(d, f)) for f in os.listdir(d)]
+            peak = max(peak, sum(st.st_size for st in sts))
+            peak_alloc = max(peak_alloc, sum(st.st_blocks * 512 for st in sts))
     finally:
         stop.set()
         t.join()
@@ -336,8 +345,112 @@ def churn(base: str, size: int, cap: int, factor: int, batch: int) -> dict[str, 
         "store_GBps": n * size / wall / GB,
         "failed_store_tasks": failed,
         "peak_disk_bytes": peak,
+        "peak_allocated_bytes": peak_alloc,
         **stats,
     }
+
+
+def kv_fns(a: Any) -> tuple[Callable[[list[int], list[Any]], None], Callable[[list[int], list[Any]], None]]:
+    """An L2 adapter as the blocking ``load(keys, outs)`` / ``store(keys,
+    values)`` of :mod:`aionvme.bench.kv`, whose procedure times every KV tier
+    alike (one call at a time): int keys become ObjectKeys, uint8 arrays
+    become MemoryObjs over their memory; a load is lookup-and-lock, load,
+    unlock, as a prefetch does."""
+    import torch
+    from lmcache.v1.distributed.api import ObjectKey
+    from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
+
+    def objs(arrays: list[Any]) -> list[Any]:
+        out = []
+        for x in arrays:
+            meta = MemoryObjMetadata(
+                shape=torch.Size([x.nbytes]),
+                dtype=torch.uint8,
+                address=0,
+                phy_size=x.nbytes,
+                ref_count=1,
+                fmt=MemoryFormat.KV_2LTD,
+            )
+            out.append(TensorMemoryObj(torch.from_numpy(x), meta, parent_allocator=None))
+        return out
+
+    def okeys(keys: list[int]) -> list[Any]:
+        return [ObjectKey(chunk_hash=k.to_bytes(16, "big"), model_name="bench/kv", kv_rank=0) for k in keys]
+
+    def once(submit: Callable[[], int], fd: int, collect: Callable[[int], Any]) -> Any:
+        tid = submit()
+        while (got := collect(tid)) is None:
+            _wait(fd)
+        return got
+
+    done: dict[int, Any] = {}
+
+    def store(keys: list[int], values: list[Any]) -> None:
+        def popped(tid: int) -> Any:
+            done.update(a.pop_completed_store_tasks())
+            return done.pop(tid, None)
+
+        r = once(lambda: a.submit_store_task(okeys(keys), objs(values)), a.get_store_event_fd(), popped)
+        if not r.is_successful():
+            raise OSError(f"store task of {len(keys)} chunks failed")
+
+    def load(keys: list[int], outs: list[Any]) -> None:
+        ks = okeys(keys)
+        found = once(
+            lambda: a.submit_lookup_and_lock_task(ks, {}),
+            a.get_lookup_and_lock_event_fd(),
+            a.query_lookup_and_lock_result,
+        )
+        try:
+            if len(found.get_indices_list()) != len(ks):
+                raise KeyError(f"{len(ks) - len(found.get_indices_list())} of {len(ks)} chunks not found")
+            got = once(lambda: a.submit_load_task(ks, objs(outs)), a.get_load_event_fd(), a.query_load_result)
+            if len(got.get_indices_list()) != len(ks):
+                raise OSError(f"{len(ks) - len(got.get_indices_list())} of {len(ks)} chunks not loaded")
+        finally:
+            a.submit_unlock([ks[i] for i in found.get_indices_list()])
+
+    return load, store
+
+
+def shared_procedure(
+    base: str, sides: list[str], sizes: list[int], batches: list[int], total: int
+) -> dict[str, Any]:
+    """Each side through :func:`aionvme.bench.kv.time_stores` and
+    :func:`~aionvme.bench.kv.time_loads` (its buffers are plain numpy arrays,
+    not page-aligned: an O_DIRECT side that cannot read into them fails its
+    point, reported as such)."""
+    from aionvme.bench.kv import fio_seqread, time_loads, time_stores
+
+    fio_path = os.path.join(base, "fio.bin")
+    out: dict[str, Any] = {"fio_GBps_before": fio_seqread(fio_path, total)}
+    for side in sides:
+        d = tempfile.mkdtemp(prefix=f"{side}-", dir=base)
+        a = make_adapter(side, d, 2 * (total + max(sizes)) + (64 << 20))
+        try:
+            load, store = kv_fns(a)
+            out[side] = {"stores": time_stores(store, sizes, batches, total=total)}
+            out[side]["loads"] = time_loads(load, store, sizes, batches, total=total)
+        except (OSError, KeyError) as e:
+            out[side] = {"error": repr(e)}
+        finally:
+            a.close()
+            shutil.rmtree(d, ignore_errors=True)
+        for kind in ("loads", "stores"):
+            for r in out[side].get(kind, []):
+                print(
+                    f"{side:>10} {kind[:-1]:>5} {r['size'] / 2**20:5.1f} MiB x {r['batch']:>3}:"
+                    f" {r['GBps']:5.2f} GB/s {r['cpu_s_per_GB']:5.2f} CPU s/GB, {r['call_ms']:.2f} ms/call"
+                    + ("" if r.get("verified", 1.0) else "  WRONG BYTES"),
+                    flush=True,
+                )
+        if "error" in out[side]:
+            print(f"{side:>10}: {out[side]['error']}", flush=True)
+    out["fio_GBps_after"] = fio_seqread(fio_path, total)
+    print(
+        f"fio seq read bs 1M QD 32, before and after: {out['fio_GBps_before']} {out['fio_GBps_after']} GB/s"
+    )
+    return out
 
 
 def median(runs: list[dict[str, Any]], key: str) -> float:
@@ -411,6 +524,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3, help="rounds per point (medians)")
     p.add_argument("--quick", action="store_true", help="two small points, once: proves it runs")
     p.add_argument("--churn", action="store_true", help="only the churn workload (see above)")
+    p.add_argument(
+        "--shared",
+        action="store_true",
+        help="only the procedure every KV tier is timed with (aionvme.bench.kv: one call at a time)",
+    )
     p.add_argument("--churn-cap", default="256M", help="the churn's disk budget (it writes 10x this)")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
@@ -428,6 +546,13 @@ def main(argv: list[str] | None = None) -> int:
         spec(s, "", 0)  # an unknown side stops here, before any I/O
     total = parse_size(a.total)
     base = tempfile.mkdtemp(prefix="aionvme-bench-kv-lmcache-", dir=local_scratch_dir(a.dir))
+    if a.shared:
+        try:
+            res = shared_procedure(base, sides, sizes, batches, total)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+        _dump(a.json, res)
+        return 0
     if a.churn:
         cap = parse_size("32M" if a.quick else a.churn_cap)
         try:
@@ -440,11 +565,10 @@ def main(argv: list[str] | None = None) -> int:
             f" {c['failed_store_tasks']} store tasks failed; meanwhile"
             f" {c['loads']} loads, {c['hits']} hits, {c['wrong']} wrong bytes,"
             f" {c['locked_not_loaded']} locked but not loaded; peak disk use"
-            f" {c['peak_disk_bytes'] / 2**20:.1f} MiB"
+            f" {c['peak_disk_bytes'] / 2**20:.1f} MiB (allocated blocks {c['peak_allocated_bytes']} bytes,"
+            f" budget {cap})"
         )
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(c, f, indent=1)
+        _dump(a.json, c)
         return 1 if c["wrong"] or c["locked_not_loaded"] or c["peak_disk_bytes"] > cap else 0
     res: dict[str, Any] = {"total": total, "repeat": a.repeat, "cold": drop_caches() is None, "points": []}
     print(
@@ -461,10 +585,14 @@ def main(argv: list[str] | None = None) -> int:
             del pool
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    _dump(a.json, res)
     return 0
+
+
+def _dump(path: str | None, res: dict[str, Any]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":

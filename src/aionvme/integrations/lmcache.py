@@ -494,12 +494,9 @@ class AionvmeL2Adapter(L2AdapterInterface):  # type: ignore[misc,unused-ignore]
         """Remove chunks (LMCache's own eviction); a locked chunk stays until unlocked."""
         with self._emit_lock:
             self._emit_locked()
+            skeys = [object_key_bytes(k) for k in keys]
             with self._lock:
-                drop = [
-                    object_key_bytes(k)
-                    for k in keys
-                    if object_key_bytes(k) not in self._pinned and object_key_bytes(k) in self._sizes
-                ]
+                drop = [s for s in skeys if s not in self._pinned and s in self._sizes]
             self._drop(drop)
 
     def _drop(self, skeys: list[bytes]) -> None:
