@@ -11,12 +11,13 @@ name (the ``dynamic`` backend), so this one runs without a fork of SGLang::
       "interface_v1": 1, "file_storage_path": "/nvme/kv", "max_size": "500G"}'
 
 ``interface_v1`` makes SGLang call :meth:`~AionvmeHiCache.batch_get_v1` /
-:meth:`~AionvmeHiCache.batch_set_v1` with host-pool indices: pages go between
-the host pool and the NVMe slabs directly (no staging copy where a page is
-contiguous in the pool, as with MLA and the page-first layouts), in one
-batched, checksummed request per call. Each page is one value of a
-cache-mode store (``on_full="evict"``): the disk never holds more than
-``max_size``; the coldest pages make room.
+:meth:`~AionvmeHiCache.batch_set_v1` with host-pool indices (and hybrid
+models ``batch_*_v2``, one transfer per pool): pages go between the host pool
+and the NVMe slabs in one batched, checksummed request per call, straight
+into the pool where a page is contiguous there (MLA models), through a reused
+aligned staging page where it is in two parts (an MHA page's K and V halves).
+Each page is one value of a cache-mode store (``on_full="evict"``): the disk
+never holds more than ``max_size``; the coldest pages make room.
 
 SGLang is imported only here (``import aionvme`` never loads it).
 """
