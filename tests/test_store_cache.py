@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from _fuzz import fuzz_settings
 from _kvblocks import KiB, MiB, block, disk_bytes, nvme_for
 from aionvme.store import (
+    OutBufferError,
     StoreFullError,
     StoreKeyError,
     StoreKeyTypeError,
@@ -115,6 +116,29 @@ async def test_get_many_skip_fills_what_is_there_and_leaves_the_rest(tmp_path):
         with pytest.raises(ValueError, match="missing"):
             await s.get_many([1], missing="ignore")
         assert await s.get_many([], missing="skip") == []
+        # a wrong buffer anywhere: a typed error before any buffer is filled
+        outs = [np.full(64 * KiB, 7, np.uint8), np.full(10, 7, np.uint8)]
+        with pytest.raises(OutBufferError):
+            await s.get_many([1, 4], out=outs, missing="skip")
+        assert (outs[0] == 7).all()
+
+
+async def test_a_batch_of_host_hits_mixed_with_nvme_reads_and_misses(tmp_path):
+    async with TieredStore(tmp_path, host=MiB, nvme=nvme_for(4 * MiB), on_full="evict") as s:
+        for k in range(8):
+            await s.put(k, block(k), to="nvme" if k % 2 else None)  # odd keys only on NVMe
+        before = s.stats()["host"]["hits"]
+        keys = [7, 0, 100, 2, 5, 4, 6, 3, 1, 101]
+        outs = [np.zeros(64 * KiB, np.uint8) for _ in keys]
+        got = await s.get_many(keys, out=outs, missing="skip")
+        assert got == [k < 100 for k in keys]
+        for k, o in zip(keys, outs):
+            assert np.array_equal(o, block(k)) if k < 100 else not o.any()
+        assert s.stats()["host"]["hits"] - before == 4  # the even keys, from host memory
+        vals = await s.get_many(keys, missing="skip")  # fresh results: copies the caller owns
+        for k, v in zip(keys, vals):
+            assert v is None if k >= 100 else np.array_equal(v, block(k))
+        assert not np.shares_memory(vals[1], s._host.arena)
 
 
 def test_count_prefix_and_contains(tmp_path):
@@ -378,3 +402,30 @@ async def test_a_value_no_slab_can_hold_drops_nothing(tmp_path):
         with pytest.raises(StoreFullError, match="larger"):
             await s.put("big", block("big", 768 * KiB))
         assert s.drain_evicted() == [] and len(s) == 8
+
+
+async def test_a_large_batch_of_host_hits_lets_the_loop_run_between_slices(tmp_path):
+    """64 host hits of 1 MiB (each small enough to copy on the loop's
+    thread): the copies are cut into slices with the loop's other callbacks
+    between them, not one 64 MiB stall."""
+    async with TieredStore(tmp_path, host=80 * MiB, nvme=nvme_for(128 * MiB), on_full="evict") as s:
+        for k in range(64):
+            await s.put(k, block(k % 4, MiB))
+        outs = [np.empty(MiB, np.uint8) for _ in range(64)]
+        ticks = 0
+        stop = False
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while not stop:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        t = asyncio.get_running_loop().create_task(ticker())
+        await asyncio.sleep(0)
+        start = ticks
+        assert await s.get_many(range(64), out=outs, missing="skip") == [True] * 64
+        stop = True
+        await t
+        assert ticks - start >= 8  # 64 MiB in 4 MiB slices
+        assert all(np.array_equal(outs[k], block(k % 4, MiB)) for k in (0, 33, 63))

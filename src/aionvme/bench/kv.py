@@ -17,7 +17,7 @@ import random
 import resource
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -71,6 +71,16 @@ def _points(sizes: Sequence[int], batches: Sequence[int], total: int) -> list[tu
     return out
 
 
+def _grid(
+    sizes: Sequence[int], batches: Sequence[int], total: int, first_key: int
+) -> Iterator[tuple[int, int, int, list[int]]]:
+    """(size, batch, blocks, their keys) of each point; keys from ``first_key`` up, new ones per point."""
+    key = first_key
+    for size, batch, n in _points(sizes, batches, total):
+        yield size, batch, n, list(range(key, key + n))
+        key += n
+
+
 def time_stores(
     store: Store,
     sizes: Sequence[int] = SIZES,
@@ -86,10 +96,7 @@ def time_stores(
     (median per call). Keys are ints from ``first_key`` up, one per block."""
     rows: list[dict[str, float]] = []
     base = np.random.default_rng(1).integers(0, 256, max(sizes), dtype=np.uint8)
-    key = first_key
-    for size, batch, n in _points(sizes, batches, total):
-        keys = list(range(key, key + n))
-        key += n
+    for size, batch, n, keys in _grid(sizes, batches, total, first_key):
         # a few blocks, reused: the bytes do not matter here
         vals = [block(k, size, base) for k in keys[: min(n, 2 * batch)]]
         calls: list[float] = []
@@ -123,10 +130,7 @@ def time_loads(
     plus ``verified`` (1.0: every block read back was the one stored)."""
     rows: list[dict[str, float]] = []
     base = np.random.default_rng(2).integers(0, 256, max(sizes), dtype=np.uint8)
-    key = first_key
-    for size, batch, n in _points(sizes, batches, total):
-        keys = list(range(key, key + n))
-        key += n
+    for size, batch, n, keys in _grid(sizes, batches, total, first_key):
         for i in range(0, n, batch):
             ks = keys[i : i + batch]
             store(ks, [block(k, size, base) for k in ks])

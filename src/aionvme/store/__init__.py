@@ -7,7 +7,11 @@
     t = await store.get("layer.3.w")
 
 See :class:`TieredStore` for placement, ownership, persistence and
-concurrency; :class:`SyncTieredStore` for blocking code.
+concurrency; :class:`SyncTieredStore` for blocking code. As a serving
+engine's KV-cache tier: ``on_full="evict"`` (a bounded cache), ``pin`` /
+``unpin``, ``get_many(missing="skip")``, ``count_prefix`` and
+``submit_put_many`` / ``submit_get_many`` / ``completion_fd`` for the
+engine's own threads (see ``_kv.py``).
 """
 
 from __future__ import annotations

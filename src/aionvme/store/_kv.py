@@ -29,7 +29,7 @@ from ._nvme import span
 from ._policy import Admission
 from ._tiers import Entry
 
-__all__ = ["Evictor", "Jobs", "PinTable", "key_list"]
+__all__ = ["Evictor", "Jobs", "PinTable", "cache_capacity", "key_list"]
 
 T = TypeVar("T")
 

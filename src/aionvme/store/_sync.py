@@ -127,7 +127,7 @@ class SyncTieredStore:
         return self._run(_call(self.aio.where, key))
 
     def __contains__(self, key: object) -> bool:
-        return bool(self._run(_call(self.aio.__contains__, key)))
+        return key in self.aio  # thread-safe without the loop (see TieredStore.contains)
 
     def __len__(self) -> int:
         return int(self._run(_call(self.aio.__len__)))
