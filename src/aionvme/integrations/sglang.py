@@ -259,7 +259,7 @@ class AionvmeHiCache(HiCacheStorage):  # type: ignore[misc]  # SGLang's class is
         outs: list[Any] = [p.view(-1) if p.is_contiguous() else None for p in pages]
         t0 = time.perf_counter()
         staged = [i for i, o in enumerate(outs) if o is None]
-        if not staged:  # every page contiguous in the pool (MLA, page_first_direct halves...): read in place
+        if not staged:  # every page contiguous in the pool (MLA models): read in place
             hits = self._read(skeys, outs)
         else:
             # a page in two parts (MHA: its K and V halves) is read into an
@@ -309,7 +309,7 @@ class AionvmeHiCache(HiCacheStorage):  # type: ignore[misc]  # SGLang's class is
         if target_location is None:
             try:
                 got = self.store.submit_get_many([key], missing="skip").result()
-            except StoreError as err:
+            except (StoreError, OSError) as err:
                 return self._failed(err)
             return got[0]
         return target_location if self._read([key], [target_location])[0] else None
