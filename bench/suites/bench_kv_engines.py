@@ -29,7 +29,8 @@ second thread. fio: sequential read, bs 1M,
 QD 32, libaio, O_DIRECT, in the same run (before and after the points;
 the median is the reference). Every block loaded is checked. With
 ``--repeat N`` each point runs N times, the sides taking turns to go first,
-and each figure is the median.
+and each figure is the median. Each side runs once, untimed, before the
+grid (its first imports and threads).
 
     python3 bench/suites/bench_kv_engines.py --quick
     python3 bench/suites/bench_kv_engines.py --sizes 512K,2M,8M,32M --batches 1,8,32,128 --total 256M
@@ -357,6 +358,14 @@ def main() -> None:
     try:
         fios = [f for f in [fio_read(root, max(total, 256 << 20))] if f]
         for eng in engines:
+            for side in ("own", "aionvme"):  # untimed: first imports, threads, the background loop
+                d = os.path.join(root, f"warm-{eng}-{side}")
+                os.makedirs(d)
+                if eng == "vllm":
+                    vllm_point(side, d, 1 << 20, 2, 2)
+                else:
+                    sglang_point(side, d, 1 << 20, 2, 2, a.pool)
+                shutil.rmtree(d, ignore_errors=True)
             for size in sizes:
                 for batch in batches:
                     if batch * size > cap:

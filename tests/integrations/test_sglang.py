@@ -370,3 +370,53 @@ def test_staged_pages_go_in_groups_of_bounded_memory(tmp_path: Path, monkeypatch
         assert b._stage.buf.numel() == 2 * pool.get_data_page(0).numel()
     finally:
         b.close()
+
+
+def test_v2_batches_move_the_pools_of_hybrid_models(tmp_path: Path) -> None:
+    """batch_*_v2 as SGLang's hybrid cache controller calls them: the KV pool
+    and an extra pool (a Mamba state, kept for the last page only)."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    kv, mamba = MHAPool(128), MLAPool(128)
+    b = backend(tmp_path, kv)
+    b.register_mem_host_pool_v2(kv, PoolName.KV)
+    b.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    try:
+        randomize(kv, 8)
+        randomize(mamba, 9)
+        kv_before, mamba_before = kv.kv_buffer.clone(), mamba.kv_buffer.clone()
+        trailing = PoolHitPolicy.TRAILING_PAGES
+        out = b.batch_set_v2(
+            [
+                PoolTransfer(name=PoolName.KV, host_indices=pages(0, 16, 32), keys=["a", "b", "c"]),
+                PoolTransfer(name=PoolName.MAMBA, host_indices=pages(32), keys=["c"], hit_policy=trailing),
+            ]
+        )
+        assert out == {PoolName.KV: [True] * 3, PoolName.MAMBA: [True]}
+        r = b.batch_exists_v2(
+            ["a", "b", "c", "d"], [PoolTransfer(name=PoolName.MAMBA, keys=["c"], hit_policy=trailing)]
+        )
+        assert (r.kv_hit_pages, r.extra_pool_hit_pages, r.restorable_prefix_pages) == (
+            3,
+            {PoolName.KV: 3, PoolName.MAMBA: 3},
+            [3],
+        )
+        r = b.batch_exists_v2(["a", "b", "c"], [PoolTransfer(name=PoolName.MAMBA, keys=["c"])])  # all pages
+        assert r.kv_hit_pages == 0
+        kv.kv_buffer.zero_()
+        mamba.kv_buffer.zero_()
+        got = b.batch_get_v2(
+            [
+                PoolTransfer(name=PoolName.KV, host_indices=pages(64, 80, 96), keys=["c", "zz", "a"]),
+                PoolTransfer(name=PoolName.MAMBA, host_indices=pages(112), keys=["c"], hit_policy=trailing),
+            ]
+        )
+        assert got == {PoolName.KV: [True, False, True], PoolName.MAMBA: [True]}
+        assert torch.equal(kv.get_data_page(64, flat=False), before_page(kv, kv_before, 32))
+        assert torch.equal(kv.get_data_page(96, flat=False), before_page(kv, kv_before, 0))
+        assert torch.equal(mamba.get_data_page(112, flat=False), before_page(mamba, mamba_before, 32))
+        # host indices that do not cover the pages: that pool's transfer fails whole
+        bad = b.batch_get_v2([PoolTransfer(name=PoolName.KV, host_indices=pages(0), keys=["a", "b"])])
+        assert bad == {PoolName.KV: [False, False]}
+    finally:
+        b.close()

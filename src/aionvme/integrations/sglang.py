@@ -11,12 +11,13 @@ name (the ``dynamic`` backend), so this one runs without a fork of SGLang::
       "interface_v1": 1, "file_storage_path": "/nvme/kv", "max_size": "500G"}'
 
 ``interface_v1`` makes SGLang call :meth:`~AionvmeHiCache.batch_get_v1` /
-:meth:`~AionvmeHiCache.batch_set_v1` with host-pool indices: pages go between
-the host pool and the NVMe slabs directly (no staging copy where a page is
-contiguous in the pool, as with MLA and the page-first layouts), in one
-batched, checksummed request per call. Each page is one value of a
-cache-mode store (``on_full="evict"``): the disk never holds more than
-``max_size``; the coldest pages make room.
+:meth:`~AionvmeHiCache.batch_set_v1` with host-pool indices (and hybrid
+models ``batch_*_v2``, one transfer per pool): pages go between the host pool
+and the NVMe slabs in one batched, checksummed request per call, straight
+into the pool where a page is contiguous there (MLA models), through a reused
+aligned staging page where it is in two parts (an MHA page's K and V halves).
+Each page is one value of a cache-mode store (``on_full="evict"``): the disk
+never holds more than ``max_size``; the coldest pages make room.
 
 SGLang is imported only here (``import aionvme`` never loads it).
 """
@@ -37,6 +38,10 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
 )
 from sglang.srt.utils.common import human_readable_int
 
@@ -169,25 +174,93 @@ class AionvmeHiCache(HiCacheStorage):  # type: ignore[misc]  # SGLang's class is
 
     # -- zero-copy batches (interface_v1): pages of the registered host pool ------------------
 
-    def _pages(self, host_indices: Any, n: int) -> list[int]:
-        ps = int(self.mem_pool_host.page_size)
-        if len(host_indices) < n * ps:
-            raise ValueError(f"{len(host_indices)} host indices for {n} pages of {ps} tokens")
-        return [int(host_indices[i * ps]) for i in range(n)]
-
     def batch_get_v1(
         self, keys: list[str], host_indices: Any, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
-        if not keys:
+        return self._get_pages(self.mem_pool_host, keys, host_indices)
+
+    def batch_set_v1(
+        self, keys: list[str], host_indices: Any, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
+        return self._set_pages(self.mem_pool_host, keys, host_indices)
+
+    # -- the pools of hybrid models (KV plus Mamba/SWA/indexer... pools): batch_*_v2 ------------
+
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        """The longest KV prefix present, cut to what every extra pool can
+        restore under its hit policy (as HiCacheFile's)."""
+        contains = self.store.contains
+        kv_pages = self.store.count_prefix(keys)
+        hits: dict[str, int] = {PoolName.KV: kv_pages} if kv_pages else {}
+        restorable = set(range(1, kv_pages + 1))
+        for t in pool_transfers or []:
+            if not restorable:
+                break
+            have = [contains(_pool_key(t.name, keys[i])) for i in range(kv_pages)]
+            if t.hit_policy == PoolHitPolicy.ALL_PAGES:
+                boundary = have.index(False) if False in have else kv_pages
+                ok = set(range(1, boundary + 1))
+            elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                tail = max(1, len(t.keys) if t.keys else 1)
+                ok = {n for n in range(1, kv_pages + 1) if all(have[max(0, n - tail) : n])}
+                boundary = max(ok, default=0)
+            else:
+                raise ValueError(f"AionvmeHiCache: unsupported pool hit policy {t.hit_policy!r}")
+            if boundary:
+                hits[t.name] = boundary
+            restorable &= ok
+        done = sorted(restorable)
+        return PoolTransferResult(done[-1] if done else 0, hits, done)
+
+    def batch_get_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        return {t.name: self._v2(t, self._get_pages) for t in transfers}
+
+    def batch_set_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        return {t.name: self._v2(t, self._set_pages) for t in transfers}
+
+    def _v2(self, t: PoolTransfer, op: Any) -> list[bool]:
+        """One pool's pages of a v2 batch; a transfer whose host indices do not
+        cover its pages fails whole, as in HiCacheFile."""
+        pool = self.registered_pools[t.name]
+        keys = [_pool_key(t.name, k) for k in t.keys or []]
+        need = len(keys) * int(getattr(pool, "page_size", 1) or 1)
+        got = 0 if t.host_indices is None else int(t.host_indices.numel())
+        if got != need:
+            logger.error("aionvme HiCache: %s host indices for %s pages of pool %s", got, len(keys), t.name)
+            return [False] * len(keys)
+        result: list[bool] = op(pool, keys, t.host_indices)
+        return result
+
+    # -- pages of a host pool ------------------------------------------------------------------
+
+    def _starts(self, pool: Any, host_indices: Any, n: int) -> list[int]:
+        ps = int(getattr(pool, "page_size", 1) or 1)
+        if host_indices is None or len(host_indices) < n * ps:
+            got = 0 if host_indices is None else len(host_indices)
+            raise ValueError(f"{got} host indices for {n} pages of {ps} tokens")
+        return [int(host_indices[i * ps]) for i in range(n)]
+
+    def _get_pages(self, pool: Any, skeys: list[str], host_indices: Any) -> list[bool]:
+        """Read the pages stored under ``skeys`` into ``pool`` at ``host_indices``:
+        True per page filled, False for a miss (its slot untouched)."""
+        if not skeys:
             return []
-        pool = self.mem_pool_host
-        starts = self._pages(host_indices, len(keys))
+        starts = self._starts(pool, host_indices, len(skeys))
         pages = [pool.get_data_page(s, flat=False) for s in starts]
         outs: list[Any] = [p.view(-1) if p.is_contiguous() else None for p in pages]
         t0 = time.perf_counter()
         staged = [i for i, o in enumerate(outs) if o is None]
-        if not staged:  # every page contiguous in the pool (MLA, page_first_direct halves...): read in place
-            hits = self._read(keys, outs)
+        if not staged:  # every page contiguous in the pool (MLA models): read in place
+            hits = self._read(skeys, outs)
         else:
             # a page in two parts (MHA: its K and V halves) is read into an
             # aligned staging page, then copied into the pool: in groups of at
@@ -195,34 +268,32 @@ class AionvmeHiCache(HiCacheStorage):  # type: ignore[misc]  # SGLang's class is
             page = pages[staged[0]]
             per = max(1, STAGING_KEPT // (page.numel() * page.element_size()))
             hits = []
-            for g in range(0, len(keys), per):
-                part = range(g, min(g + per, len(keys)))
+            for g in range(0, len(skeys), per):
+                part = range(g, min(g + per, len(skeys)))
                 mine = [i for i in part if outs[i] is None]
                 stage = self._staging(len(mine), page.numel(), page.dtype)
                 bufs = {i: stage[j] for j, i in enumerate(mine)}
-                got = self._read([keys[i] for i in part], [bufs.get(i, outs[i]) for i in part])
+                got = self._read([skeys[i] for i in part], [bufs.get(i, outs[i]) for i in part])
                 for i, ok in zip(part, got):
                     if ok and i in bufs:
                         pool.set_from_flat_data_page(starts[i], bufs[i])
                 hits += got
-            outs = pages
-        self._note(True, hits, outs, t0)
+        self._note(True, hits, pages, t0)
         return hits
 
-    def batch_set_v1(
-        self, keys: list[str], host_indices: Any, extra_info: HiCacheStorageExtraInfo | None = None
-    ) -> list[bool]:
-        if not keys:
+    def _set_pages(self, pool: Any, skeys: list[str], host_indices: Any) -> list[bool]:
+        """Write the pages of ``pool`` at ``host_indices`` under ``skeys`` (a key
+        already stored names the same bytes: not rewritten)."""
+        if not skeys:
             return []
-        pool = self.mem_pool_host
-        starts = self._pages(host_indices, len(keys))
+        starts = self._starts(pool, host_indices, len(skeys))
         values = {
-            k: pool.get_data_page(s, flat=True) for k, s in zip(keys, starts) if not self.store.contains(k)
+            k: pool.get_data_page(s, flat=True) for k, s in zip(skeys, starts) if not self.store.contains(k)
         }
         t0 = time.perf_counter()
         ok = self._write(values)
         self._note(False, [ok] * len(values), list(values.values()), t0)
-        return [ok or k not in values for k in keys]
+        return [ok or k not in values for k in skeys]
 
     def _staging(self, n: int, numel: int, dtype: Any) -> Any:
         """n aligned staging pages of this thread, kept between calls (a fresh
@@ -238,7 +309,7 @@ class AionvmeHiCache(HiCacheStorage):  # type: ignore[misc]  # SGLang's class is
         if target_location is None:
             try:
                 got = self.store.submit_get_many([key], missing="skip").result()
-            except StoreError as err:
+            except (StoreError, OSError) as err:
                 return self._failed(err)
             return got[0]
         return target_location if self._read([key], [target_location])[0] else None
@@ -319,3 +390,9 @@ class AionvmeHiCache(HiCacheStorage):  # type: ignore[misc]  # SGLang's class is
 
     def close(self) -> None:
         self.store.close()
+
+
+def _pool_key(pool: Any, key: str) -> str:
+    """A page of an extra pool is stored under ``key.<pool>`` (HiCacheFile's
+    names); the KV pool's under ``key``."""
+    return key if pool == PoolName.KV else f"{key}.{pool}"
