@@ -16,10 +16,10 @@ device as more, smaller requests.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import mmap
 import os
-import sys
 import tempfile
 import time
 
@@ -61,7 +61,9 @@ async def probe(path: str, size: int, rounds: int = 4) -> None:
 
 
 def main() -> None:
-    sizes = [int(x) * MiB for x in sys.argv[1:]] or [MiB, 4 * MiB]
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("sizes", nargs="*", type=int, default=[1, 4], help="read sizes in MiB (default: 1 4)")
+    sizes = [x * MiB for x in ap.parse_args().sizes]
     d = tempfile.mkdtemp(prefix="aionvme-hugepage-", dir=local_scratch_dir(None))
     path = os.path.join(d, "data.bin")
     try:
