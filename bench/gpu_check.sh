@@ -119,6 +119,35 @@ if "$PY" -c "import deepspeed" 2>/dev/null; then
 else
     echo "zero3_nvme_train skipped: deepspeed is not installed on this machine"
 fi
+# The integrations' GPU paths (their gpu-marked tests ran above where the framework is installed:
+# accelerate's disk offload to cuda, LMCache CUDA MemoryObjs, the store's loads into CUDA out=).
+if "$PY" -c "import transformers" 2>/dev/null; then
+    step "integrations: transformers cold load to cuda (ours, from_pretrained, fastsafetensors, InstantTensor)"
+    if ! timeout 900 "$PY" bench/suites/bench_integrations_io.py --only transformers --device cuda \
+            --model-size "${GPU_CHECK_MODEL_SIZE:-2G}" --repeat 3 --dir "$SCRATCH" \
+            > "$OUT/integrations_transformers_cuda.txt" 2>&1; then
+        failed+=("integrations transformers cuda")
+    fi
+    tail -12 "$OUT/integrations_transformers_cuda.txt"
+else
+    echo "integrations transformers cuda skipped: transformers is not installed on this machine"
+fi
+if "$PY" -c "import accelerate, transformers" 2>/dev/null; then
+    step "integrations: accelerate disk offload to cuda, next to accelerate's own"
+    if ! timeout 900 "$PY" bench/suites/bench_integrations_offload.py --workload accelerate --device cuda \
+            --model-size 2G --repeat 3 --dir "$SCRATCH" > "$OUT/integrations_accelerate_cuda.txt" 2>&1; then
+        failed+=("integrations accelerate cuda")
+    fi
+    tail -12 "$OUT/integrations_accelerate_cuda.txt"
+else
+    echo "integrations accelerate cuda skipped: accelerate/transformers are not installed on this machine"
+fi
+# DCP node-local replicas over an NCCL default group (aionvme makes a gloo group for the bytes):
+# two torchrun "nodes" of 2 ranks, one GPU each; skipped with fewer than 4 GPUs.
+step "dcp: replicas with an NCCL default group (needs 4 GPUs)"
+timeout 900 "$PY" -m pytest -q -p no:cacheprovider tests/test_dcp_nodes.py -k nccl -rs \
+    > "$OUT/dcp_nccl.log" 2>&1 || failed+=("dcp nccl")
+tail -3 "$OUT/dcp_nccl.log"
 rm -rf "$SCRATCH/pytest" "$SCRATCH/pytest-cpu" "$SCRATCH/zero3_swap"
 
 if [ ${#failed[@]} -eq 0 ]; then
