@@ -38,7 +38,7 @@ import numpy as np
 from .. import defaults, memory
 from .. import file as _file
 from ._alloc import ALIGN, ExtentAllocator, round_up
-from ._checksum import INLINE_MAX, digest, digest_all, gather_all, xxhash_module
+from ._checksum import INLINE_MAX, PIPE_MIN, digest, digest_all, gather_all, read_hashed, xxhash_module
 from ._errors import CorruptValueError, StoreCorruptError, StoreFullError
 from ._lock import make_dirs
 from ._values import is_cuda
@@ -580,19 +580,45 @@ class NvmeTier:
 
     async def _read_checked(self, jobs: Sequence[tuple[Any, ...]], keys: Sequence[Any] | None) -> None:
         # every job in one batch as usual, each value with a checksum hashed
-        # once its bytes are in: see _checksum.py for why not as they land
+        # once its bytes are in (see _checksum.py for why not as they land),
+        # but for large one-piece values: read in segments, hashed as they land
         checks: list[tuple[Any, int, int, Any, Extent]] = []  # (value bytes, n, checksum, key, first piece)
+        # (its read, checksum, key, first piece)
+        piped: list[tuple[Coroutine[Any, Any, int], int, Any, Extent]] = []
+        rest: list[tuple[Any, ...]] = []
         for j, job in enumerate(jobs):
             ext = job[0]
             c = self.sums.get(ext[0][:2]) if ext and ext[0][0] >= 0 else None
             if c is None:
+                rest.append(job)
                 continue
             first = ext[0]
+            key = keys[j] if keys is not None else None
+            n = sum(x[3] for x in ext)
+            if n >= PIPE_MIN and len(ext) == 1:
+                ((i, items),) = self._items([job], False).items()
+                if len(items) == 1 and items[0][1] % ALIGN == 0 and not is_cuda(items[0][0]):
+                    mem, off = items[0]
+                    piped.append((read_hashed(self._file_of(i), mem, off, first[1] - off, n), c, key, first))
+                    continue
             view = job[1][first[1] % ALIGN :] if len(job) > 2 and job[2] else job[1]
-            checks.append((view, sum(x[3] for x in ext), c, keys[j] if keys is not None else None, first))
-        await self._run(jobs, False)
-        sums = await digest_all([(view, n) for view, n, *_ in checks])
+            checks.append((view, n, c, key, first))
+            rest.append(job)
+
+        async def the_rest() -> list[int]:
+            if rest:
+                await self._run(rest, False)
+            return await digest_all([(view, n) for view, n, *_ in checks])
+
+        done = await asyncio.gather(the_rest(), *(p[0] for p in piped), return_exceptions=True)
+        for r in done:
+            if isinstance(r, BaseException):
+                raise r
+        sums, *got_piped = done
         for (_view, _n, c, key, first), got in zip(checks, sums):
+            if got != c:
+                self._corrupt(key, first, c, got)
+        for (_read, c, key, first), got in zip(piped, got_piped):
             if got != c:
                 self._corrupt(key, first, c, got)
 
