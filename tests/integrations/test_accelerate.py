@@ -253,9 +253,11 @@ def test_dispatch_model_reads_the_disk_modules_ahead(tmp_path):
             assert torch.equal(ours(ids).logits, want)
         st = w.stats()
         assert st["own_reads"] == 0  # the disk modules' weights all came from blocks read ahead
-        # one pass reads the modules on disk, nothing else (the store behind the streamer may read
-        # a block's extents twice when its host tier is short of room: not a second load here)
-        assert on_disk <= st["bytes_read"] < 2 * on_disk and st["loads"] == st["units"] == 6
+        # one pass reads the modules on disk once, and then the first block of the next pass
+        # ahead (the read-ahead is cyclic, as generation runs pass after pass): nothing else
+        first = [p for n, p in model.named_parameters() if n.startswith("model.layers.3.")]
+        ahead = sum(p.numel() * p.element_size() + 4096 for p in first)  # with each tensor's page rounding
+        assert on_disk <= st["bytes_read"] <= on_disk + ahead and st["loads"] == st["units"] == 6
         assert st["peak_memory_bytes"] <= on_disk // 2
     finally:
         w.close()
