@@ -18,8 +18,9 @@ MiB = 1 << 20
 class _Recorder:
     """xxhash, with the number of loop ticks seen at each hashing call."""
 
-    def __init__(self, real: Any, ticks: list[int], seen: list[int]) -> None:
+    def __init__(self, real: Any, ticks: list[int], seen: list[int], sizes: list[int] | None = None) -> None:
         self._real, self._ticks, self._seen = real, ticks, seen
+        self._sizes = sizes if sizes is not None else []
 
     def xxh3_64_intdigest(self, data: Any) -> int:
         self._seen.append(self._ticks[0])
@@ -32,12 +33,28 @@ class _Recorder:
         class _H:
             def update(self, data: Any) -> None:
                 rec._seen.append(rec._ticks[0])
+                rec._sizes.append(len(data))
                 h.update(data)
 
             def intdigest(self) -> int:
                 return int(h.intdigest())
 
         return _H()
+
+
+async def _while_ticking(ticks: list[int], work: Any) -> Any:
+    """Await ``work`` while a task counts the loop's turns in ``ticks[0]``."""
+
+    async def ticker() -> None:
+        while True:
+            await asyncio.sleep(0)
+            ticks[0] += 1
+
+    t = asyncio.create_task(ticker())
+    try:
+        return await work
+    finally:
+        t.cancel()
 
 
 async def test_a_batch_of_checked_values_lets_the_loop_run_between_slices(tmp_path, monkeypatch):
@@ -48,17 +65,7 @@ async def test_a_batch_of_checked_values_lets_the_loop_run_between_slices(tmp_pa
         ticks, seen = [0], []
         real = _checksum.xxhash_module()
         monkeypatch.setattr(_checksum, "xxhash_module", lambda: _Recorder(real, ticks, seen))
-
-        async def ticker() -> None:
-            while True:
-                await asyncio.sleep(0)
-                ticks[0] += 1
-
-        t = asyncio.create_task(ticker())
-        try:
-            got = await s.get_many(list(vals))
-        finally:
-            t.cancel()
+        got = await _while_ticking(ticks, s.get_many(list(vals)))
         assert all(np.array_equal(g, vals[k]) for g, k in zip(got, vals))
         assert len(seen) >= count
         # at most a slice (4 MiB, ~0.1 ms of hashing) between two loop ticks
@@ -69,10 +76,17 @@ async def test_a_batch_of_checked_values_lets_the_loop_run_between_slices(tmp_pa
 
 @pytest.mark.parametrize("at", [5, 9 * MiB + 3, 20 * MiB - 1])
 async def test_a_flipped_byte_in_any_slice_of_a_large_value_is_caught(tmp_path, at):
-    v = np.random.default_rng(7).integers(0, 256, 20 * MiB, dtype=np.uint8)
+    await _good_and_bad(tmp_path, np.random.default_rng(7).integers(0, 256, 20 * MiB, dtype=np.uint8), at)
+
+
+async def _good_and_bad(tmp_path: Any, v: np.ndarray, at: int, segmented: list[int] | None = None) -> None:
+    """Values "good" and "bad" (v reversed) with a byte of bad flipped at
+    ``at``: good reads, bad is a CorruptValueError by get and get_many."""
     async with TieredStore(tmp_path, host=0) as s:
         await s.put_many({"good": v, "bad": v[::-1].copy()})
         assert np.array_equal(await s.get("good"), v)
+        if segmented is not None:
+            assert segmented == [v.nbytes]  # the segmented path was taken
         _flip(s, "bad", at)
         with pytest.raises(CorruptValueError, match="'bad'"):
             await s.get("bad")
@@ -109,16 +123,7 @@ SEG = 256 << 10
 @pytest.mark.parametrize("at", [0, SEG - 1, SEG, 2 * SEG + 17, 3 * MiB - 1])
 async def test_a_segmented_read_catches_a_flipped_byte_in_any_segment(tmp_path, small_pipe, at):
     v = np.random.default_rng(at).integers(0, 256, 3 * MiB, dtype=np.uint8)
-    async with TieredStore(tmp_path, host=0) as s:
-        await s.put_many({"good": v, "bad": v[::-1].copy()})
-        assert np.array_equal(await s.get("good"), v)
-        assert small_pipe == [3 * MiB]  # the segmented path was taken
-        _flip(s, "bad", at)
-        with pytest.raises(CorruptValueError, match="'bad'"):
-            await s.get("bad")
-        with pytest.raises(CorruptValueError, match="'bad'"):
-            await s.get_many(["good", "bad"])
-        assert np.array_equal(await s.get("good", out=np.empty_like(v)), v)
+    await _good_and_bad(tmp_path, v, at, small_pipe)
 
 
 async def test_a_segmented_read_of_phase_placed_and_odd_sized_values(tmp_path, small_pipe):
@@ -191,38 +196,13 @@ async def test_a_segmented_read_lets_the_loop_run_between_hash_slices(tmp_path, 
     v = np.random.default_rng(4).integers(0, 256, 3 * MiB, dtype=np.uint8)
     async with TieredStore(tmp_path, host=0) as s:
         await s.put("v", v)
-        ticks, per_tick = [0], {}
+        ticks, seen, sizes = [0], [], []
         real = _checksum.xxhash_module()
-
-        class Counting:
-            def xxh3_64(self) -> Any:
-                h = real.xxh3_64()
-
-                class _H:
-                    def update(self, data: Any) -> None:
-                        per_tick[ticks[0]] = per_tick.get(ticks[0], 0) + len(data)
-                        h.update(data)
-
-                    def intdigest(self) -> int:
-                        return int(h.intdigest())
-
-                return _H()
-
-            def __getattr__(self, name: str) -> Any:
-                return getattr(real, name)
-
-        monkeypatch.setattr(_checksum, "xxhash_module", lambda: Counting())
-
-        async def ticker() -> None:
-            while True:
-                await asyncio.sleep(0)
-                ticks[0] += 1
-
-        t = asyncio.create_task(ticker())
-        try:
-            got = await s.get("v")
-        finally:
-            t.cancel()
+        monkeypatch.setattr(_checksum, "xxhash_module", lambda: _Recorder(real, ticks, seen, sizes))
+        got = await _while_ticking(ticks, s.get("v"))
+        per_tick: dict[int, int] = {}
+        for tick, n in zip(seen, sizes):
+            per_tick[tick] = per_tick.get(tick, 0) + n
         assert np.array_equal(got, v) and small_pipe == [3 * MiB]
         assert sum(per_tick.values()) == 3 * MiB
         assert max(per_tick.values()) <= 128 << 10, per_tick
