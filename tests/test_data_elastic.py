@@ -220,6 +220,12 @@ def test_merge_refuses_what_it_cannot_merge(datasets):
             [*states[:2], {**states[2], "resumed": [{"world_size": 2, "positions": [1, 1]}]}],
             "different merged",
         ),
+        # hostile or mistyped fields: a typed error, never a silent int() nor a list of world_size items
+        ([*states[:2], {**states[2], "position": 1.5}], r"position=1\.5"),
+        ([*states[:2], {**states[2], "position": True}], "position=True"),
+        ([*states[:2], {**states[2], "position": -1}], "position=-1"),
+        ([{**s, "world_size": 10**12} for s in states], r"10\d+ ranks' states once, got 3: .* more"),
+        ([*states[:2], {**states[2], "rank": "2"}], "rank='2'"),
     ):
         with pytest.raises(LoaderStateError, match=match):
             merge_states(bad)
@@ -234,6 +240,9 @@ def test_merge_refuses_what_it_cannot_merge(datasets):
             ld.load_state_dict({**merged, "resumed": [{"world_size": 3, "positions": [1, 2, 99]}]})
         with pytest.raises(LoaderStateError, match="position 1 out of range"):
             ld.load_state_dict({**merged, "position": 1})
+        for k, v in (("position", 0.0), ("epoch", None), ("epoch", "0")):
+            with pytest.raises(LoaderStateError, match=f"{k}="):
+                ld.load_state_dict({**merged, k: v})
 
 
 def test_even_stops_resume_as_a_same_world_resume(datasets):

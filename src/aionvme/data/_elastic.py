@@ -32,6 +32,7 @@ the new ranks' parts at B == A are the old parts from p on.
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,7 +41,7 @@ import numpy as np
 from ._errors import LoaderStateError
 from ._order import rank_size
 
-__all__ = ["STATE_VERSION", "Phases", "merge_states", "rest_count", "rest_index"]
+__all__ = ["STATE_VERSION", "Phases", "check_whole", "merge_states", "rest_count", "rest_index"]
 
 STATE_VERSION = 2  # 2: the "resumed" phases (elastic resume); 1 (no phases) still loads
 
@@ -85,6 +86,15 @@ def phases_of(state: dict[str, Any]) -> Phases:
                 f"state_dict has a malformed phase: world_size={ws}, positions={list(pos)}"
             )
     return phases
+
+
+def check_whole(state: dict[str, Any], key: str) -> None:
+    """A state's count field is a whole number (not a bool or a float), >= 0
+    (world_size >= 1): LoaderStateError if not."""
+    v = state.get(key)
+    if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < (1 if key == "world_size" else 0):
+        least = " >= 1" if key == "world_size" else ""
+        raise LoaderStateError(f"state_dict has {key}={v!r}: a whole number{least}")
 
 
 def _pairs(raw: Any) -> list[tuple[Any, Any]]:
@@ -177,6 +187,9 @@ def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
         v = s.get("version", 1)
         if not isinstance(v, int) or v > STATE_VERSION:
             raise LoaderStateError(f"state_dict version {v!r} is newer than this aionvme ({STATE_VERSION})")
+    for s in states:
+        for k in ("rank", "world_size", "epoch", "position", "samples"):
+            check_whole(s, k)
     first = states[0]
     for s in states:
         for k in (*_SAME, "world_size"):
@@ -187,12 +200,15 @@ def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 )
     ws = int(first["world_size"])
     ranks = sorted(int(s["rank"]) for s in states)
-    if ranks != list(range(ws)):
-        missing = sorted(set(range(ws)) - set(ranks))
+    if len(ranks) != ws or ranks != list(range(ws)):  # (no list of a hostile world_size's length)
+        given = {r for r in ranks if 0 <= r < ws}
+        missing = [r for r in range(min(ws, len(ranks) + 10)) if r not in given][:10]
+        more = ws - len(given) - len(missing)
         twice = sorted({r for r in ranks if ranks.count(r) > 1})
         raise LoaderStateError(
-            f"merge_states needs each of the {ws} ranks' states once: "
-            f"missing {missing}, given twice {twice}, out of range {[r for r in ranks if not 0 <= r < ws]}"
+            f"merge_states needs each of the {ws} ranks' states once, got {len(states)}: "
+            f"missing {missing}{f' and {more} more' if more else ''}, given twice {twice}, "
+            f"out of range {[r for r in ranks if not 0 <= r < ws]}"
         )
     n, drop_last = int(first["samples"]), bool(first["drop_last"])
     epochs = {int(s["epoch"]) for s in states}

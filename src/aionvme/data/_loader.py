@@ -18,7 +18,16 @@ from ..defaults import parse_size
 from ..exceptions import DeviceError
 from ._batch import BatchPlan
 from ._dataset import Dataset, check_tensors
-from ._elastic import STATE_VERSION, Phases, check_phases, phases_of, phases_to_state, rest_count, rest_index
+from ._elastic import (
+    STATE_VERSION,
+    Phases,
+    check_phases,
+    check_whole,
+    phases_of,
+    phases_to_state,
+    rest_count,
+    rest_index,
+)
 from ._errors import LoaderStateError
 from ._layout import ALIGN, FileCache
 from ._memory import BudgetError, Lent, Pool, Slab, Workers, max_batch_nbytes
@@ -317,6 +326,8 @@ class Loader:
                         "merged by aionvme.data.merge_states(states)"
                     )
                 raise LoaderStateError(f"state_dict has {k}={state.get(k)!r}, this loader {mine[k]!r}{hint}")
+        for k in ("epoch", "position"):
+            check_whole(state, k)
         resumed = phases_of(state)
         check_phases(self.layout.n, resumed, self.drop_last)
         n = rest_count(self.layout.n, resumed, self.drop_last) if resumed else self.layout.n
