@@ -10,11 +10,13 @@ import concurrent.futures
 from collections.abc import Callable, Coroutine, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from ._errors import StoreClosedError
 from ._kv import Evictor, Jobs, PinTable, key_list
 from ._reads import Reads
-from ._tiers import Entry
-from ._values import check_out
+from ._tiers import HOST, Entry
+from ._values import check_out, is_cuda
 
 __all__ = ["KVCalls"]
 
@@ -34,6 +36,7 @@ class KVCalls:
     _evictor: Evictor | None
     _reads: Reads
 
+    _enter: Callable[[], asyncio.AbstractEventLoop]
     put_many: Callable[..., Coroutine[Any, Any, None]]
     get_many: Callable[..., Coroutine[Any, Any, list[Any]]]
 
@@ -84,14 +87,72 @@ class KVCalls:
         """:meth:`put_many` (``to=``, ``timeout=``) from any thread: it runs on
         the store's loop; its result (None) or error arrives on the returned
         future, and then 1 is added to :meth:`completion_fd`."""
-        return self._jobs.submit(self._job_loop(), self.put_many(dict(items), **kw))
+        return self._jobs.submit(self._job_loop(), self._put_job, dict(items), kw)
 
     def submit_get_many(self, keys: Iterable[Hashable], **kw: Any) -> concurrent.futures.Future[list[Any]]:
         """:meth:`get_many` (``device=``, ``out=``, ``missing=``,
-        ``timeout=``) from any thread, as :meth:`submit_put_many`."""
+        ``timeout=``) from any thread, as :meth:`submit_put_many`. Hits in
+        host memory are copied on the loop's thread in the callback that
+        starts the job (no coroutine), when the call copies under 4 MiB."""
         if kw.get("out") is not None:
             kw["out"] = list(kw["out"])
-        return self._jobs.submit(self._job_loop(), self.get_many(list(keys), **kw))
+        return self._jobs.submit(self._job_loop(), self._get_job, list(keys), kw)
+
+    def _put_job(self, items: dict[Any, Any], kw: dict[str, Any]) -> Coroutine[Any, Any, None]:
+        return self.put_many(items, **kw)
+
+    def _get_job(self, keys: list[Hashable], kw: dict[str, Any]) -> Any:
+        """A submitted get_many on the loop's thread: its result if every key
+        is a host hit (or absent, with missing='skip'), else its coroutine."""
+        got = self._hits_now(keys, kw.get("device", "cpu"), kw.get("out"), kw.get("missing", "raise"))
+        return self.get_many(keys, **kw) if got is None else got
+
+    def _hits_now(self, keys: list[Hashable], device: str, out: Sequence[Any] | None, missing: str) -> Any:
+        """get_many's result where every key is in the host tier (or absent,
+        with missing='skip') and the copies are small (under YIELD_EVERY in
+        all, each under copy_threshold, into CPU memory): copied now, with no
+        suspension (so no pins needed); None, having done nothing, otherwise
+        (get_many then serves the call, and raises what it raises)."""
+        if device != "cpu" or missing not in ("raise", "skip") or (out is not None and len(out) != len(keys)):
+            return None
+        skip = missing == "skip"
+        index = self._index
+        limit = self._reads.mover.copy_threshold
+        entries: list[Entry | None] = []
+        total = 0
+        for i, k in enumerate(keys):
+            e = index.get(k)
+            if e is None:
+                if not skip:
+                    return None
+                entries.append(None)
+                continue
+            c = e.copies.get(HOST)
+            n = e.meta.nbytes
+            if c is None or c.where is None or n == 0 or n >= limit:
+                return None
+            if out is not None and not isinstance(out[i], np.ndarray) and is_cuda(out[i]):
+                return None
+            total += n
+            entries.append(e)
+        if total >= YIELD_EVERY:
+            return None
+        self._enter()  # a closed store raises; binds the loop like any call
+        if out is not None:
+            for d, e in zip(out, entries):
+                if e is not None:
+                    check_out(d, e.meta)  # every buffer checked before any is filled
+        if self._evictor is not None:
+            self._evictor.touch(k for k, e in zip(keys, entries) if e is not None)
+        hit_now = self._reads.hit_now
+        res: list[Any] = []
+        for i, e in enumerate(entries):
+            if e is None:
+                res.append(False if out is not None else None)
+                continue
+            v = hit_now(e, None if out is None else out[i])
+            res.append(True if skip and out is not None else v)
+        return res
 
     def completion_fd(self) -> int:
         """An eventfd (EFD_NONBLOCK) to which 1 is added each time a submitted
