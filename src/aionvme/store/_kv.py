@@ -77,14 +77,23 @@ class PinTable:
     cache-mode eviction dropped since ``drain``."""
 
     def __init__(
-        self, mover: Mover, index: dict[Hashable, Entry], loop: Callable[[], asyncio.AbstractEventLoop | None]
+        self,
+        mover: Mover,
+        index: dict[Hashable, Entry],
+        loop: Callable[[], asyncio.AbstractEventLoop | None],
+        evicted_max: int | None = None,
     ) -> None:
+        if evicted_max is not None and (not isinstance(evicted_max, int) or evicted_max < 0):
+            raise ValueError(f"evicted_max must be an int >= 0 or None, got {evicted_max!r}")
         self.mover = mover
         self.lock = mover.pin_lock
         self.index = index
         self.loop = loop
         self.by_key: dict[Hashable, list[Entry]] = {}
-        self.evicted: list[Hashable] = []
+        # the keys eviction dropped, to drain: the newest evicted_max (the
+        # oldest go first, counted in evicted_lost)
+        self.evicted: collections.deque[Hashable] = collections.deque(maxlen=evicted_max)
+        self.evicted_lost = 0
         mover.handover = self.handover
 
     def handover(self, old: Entry, new: Entry) -> None:
@@ -168,11 +177,15 @@ class PinTable:
 
     def note_evicted(self, keys: list[Hashable]) -> None:
         with self.lock:
+            cap = self.evicted.maxlen
+            if cap is not None:
+                self.evicted_lost += max(0, len(self.evicted) + len(keys) - cap)
             self.evicted.extend(keys)
 
     def drain(self) -> list[Hashable]:
         with self.lock:
-            out, self.evicted = self.evicted, []
+            out = list(self.evicted)
+            self.evicted.clear()
         return out
 
 

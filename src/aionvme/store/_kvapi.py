@@ -14,6 +14,7 @@ import numpy as np
 
 from ._errors import StoreClosedError
 from ._kv import Evictor, Jobs, PinTable, key_list
+from ._memtier import GpuTier, HostTier
 from ._reads import Reads
 from ._tiers import HOST, Entry
 from ._values import check_out, is_cuda
@@ -29,6 +30,9 @@ class KVCalls:
     """Part of :class:`TieredStore` (its attributes are the store's)."""
 
     _index: dict[Hashable, Entry]
+    _closed: bool
+    _host: HostTier
+    _gpu: GpuTier | None
     _loop: asyncio.AbstractEventLoop | None
     _home: asyncio.AbstractEventLoop | None
     _pins: PinTable
@@ -70,9 +74,51 @@ class KVCalls:
         self._pins.unpin(key_list(keys, "unpin"))
 
     def drain_evicted(self) -> list[Hashable]:
-        """The keys cache-mode eviction dropped since the last call (thread-safe;
-        not those deleted by the user)."""
+        """The keys cache-mode eviction dropped since the last call, oldest
+        first (thread-safe; not those deleted by the user). The store keeps
+        the newest ``evicted_max`` of them (a TieredStore argument, 65536 by
+        default): drain often, or the oldest are forgotten, counted by
+        :attr:`evicted_lost`."""
         return self._pins.drain()
+
+    @property
+    def evicted_lost(self) -> int:
+        """Dropped keys that :meth:`drain_evicted` will never list: forgotten
+        because more than ``evicted_max`` piled up between two drains (a
+        count since the store opened)."""
+        return self._pins.evicted_lost
+
+    def touch(self, keys: Iterable[Hashable]) -> None:
+        """Mark the keys as just used, as a get would, without reading them:
+        cache mode's drop order (``on_full="evict"``) and the host and GPU
+        tiers' eviction policies see them as the most recent. Absent keys are
+        ignored. From any thread, without waiting: applied on the store's
+        loop, before any job submitted after this call starts."""
+        ks = key_list(keys, "touch")
+        if self._closed:
+            raise StoreClosedError("the store is closed")
+        loop = self._loop or self._home
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if loop is None or loop is here:  # no loop yet (nothing runs concurrently), or on it
+            self._touch_now(ks)
+            return
+        try:
+            loop.call_soon_threadsafe(self._touch_now, ks)
+        except RuntimeError as e:
+            raise StoreClosedError("the store's event loop is closed") from e
+
+    def _touch_now(self, keys: list[Hashable]) -> None:
+        index = self._index
+        live = [index[k] for k in keys if k in index]
+        if self._evictor is not None:
+            self._evictor.touch(e.key for e in live)
+        for e in live:
+            self._host.touch(e)
+            if self._gpu is not None:
+                self._gpu.touch(e)
 
     def _job_loop(self) -> asyncio.AbstractEventLoop:
         loop = self._loop or self._home
