@@ -41,8 +41,8 @@ Each point runs every side and fio --repeat times, in rounds whose order
 rotates; the figures are medians.
 
 --shared runs instead the procedure aionvme.bench.kv times every KV tier with
-(time_stores / time_loads: one blocking call at a time, numpy buffers, cold
-loads, verified), each side wrapped as its load(keys, outs) / store(keys, values).
+(time_stores / time_loads: one blocking call at a time, page-aligned numpy
+buffers, cold loads, verified), each side wrapped as its load(keys, outs) / store(keys, values).
 
     python3 bench/suites/bench_kv_lmcache.py --quick
     python3 bench/suites/bench_kv_lmcache.py --churn --sizes 2M --churn-cap 256M
@@ -421,9 +421,9 @@ def shared_procedure(
     base: str, sides: list[str], sizes: list[int], batches: list[int], total: int
 ) -> dict[str, Any]:
     """Each side through :func:`aionvme.bench.kv.time_stores` and
-    :func:`~aionvme.bench.kv.time_loads` (its buffers are plain numpy arrays,
-    not page-aligned: an O_DIRECT side that cannot read into them fails its
-    point, reported as such)."""
+    :func:`~aionvme.bench.kv.time_loads` (its buffers are page-aligned
+    numpy arrays, as LMCache's L1 pool is; a side that fails a point is
+    reported as such)."""
     from aionvme.bench.kv import fio_seqread, time_loads, time_stores
 
     fio_path = os.path.join(base, "fio.bin")
