@@ -461,21 +461,28 @@ async def kv_workload(ctx: Any) -> Result:
     - store: the same grid through ``submit_put_many``;
     - churn: 10x ``-o churn=64M`` written in random keys to a cache of that
       capacity while another thread reads: the most the slab took on disk;
-    - host hit: per-call µs of a 512 KiB host-tier hit.
+    - the same loads with ``-o inflight=8`` calls in flight (as the
+      engines keep them): ``load_<size>_b<batch>_q<n>_GBps``;
+    - per call: µs of a 512 KiB host-tier hit, and of a 512 KiB NVMe load
+      through submit and on the store's loop.
 
     ``figures``: ``fio_GBps``, ``load_<size>_b<batch>_GBps`` (and
     ``..._vs_fio``), ``store_<size>_b<batch>_GBps``, ``load_best_vs_fio``,
     ``churn_max_disk_bytes``, ``churn_capacity``, ``churn_wrong``,
-    ``host_hit_submit_us``, ``host_hit_get_us``.
+    ``host_hit_submit_us``, ``host_hit_get_us``, ``nvme_load_submit_us``,
+    ``nvme_load_loop_us``.
     """
     sizes = [parse_size(x) for x in ctx.option("sizes", "512K,2M,8M,32M").split(",")]
     batches = [int(x) for x in ctx.option("batches", "1,8,32,128").split(",")]
     total = ctx.option("total", min(ctx.size, 256 * MiB), parse_size)
     churn_cap = ctx.option("churn", 64 * MiB, parse_size)
     hit_calls = ctx.option("hit_calls", 2000, int)
+    inflight = ctx.option("inflight", 8, int)
     t0 = time.perf_counter()
     fio_size = min(ctx.size, 1 << 30)
-    got = await asyncio.to_thread(run_kv, ctx.workdir, sizes, batches, total, churn_cap, fio_size, hit_calls)
+    got = await asyncio.to_thread(
+        run_kv, ctx.workdir, sizes, batches, total, churn_cap, fio_size, hit_calls, inflight
+    )
     wall = time.perf_counter() - t0
     figures: dict[str, float] = {}
     fio_gbps = got["fio_GBps"]
@@ -535,6 +542,15 @@ async def kv_workload(ctx: Any) -> Result:
         f"best load {best:.2f} GB/s{vs}; churn: max {ch['max_disk_bytes'] / MiB:.0f} MiB on disk for a "
         f"{ch['capacity'] / MiB:.0f} MiB cache, {int(ch['wrong'])} wrong reads; host hit "
         f"{figures['host_hit_submit_us']:.0f} us per call via submit, "
-        f"{figures['host_hit_get_us']:.0f} us via get"
+        f"{figures['host_hit_get_us']:.0f} us via get; NVMe load of 512 KiB "
+        f"{figures['nvme_load_submit_us']:.0f} us via submit, "
+        f"{figures['nvme_load_loop_us']:.0f} us on the loop"
     )
+    small = min(got["loads"], key=lambda r: (r["size"], r["batch"]))
+    queued = [q for q in got["loads_inflight"] if (q["size"], q["batch"]) == (small["size"], small["batch"])]
+    if fio_gbps and queued:
+        r.notes.append(
+            f"{_label(int(small['size']))} x {int(small['batch'])}: {small['GBps'] / fio_gbps:.2f}x fio one "
+            f"call at a time, {queued[0]['GBps'] / fio_gbps:.2f}x with {int(queued[0]['inflight'])} in flight"
+        )
     return r
