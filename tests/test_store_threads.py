@@ -417,3 +417,27 @@ def test_a_host_hit_through_submit_checks_every_buffer_before_filling_any(tmp_pa
         assert s.submit_get_many(["a", "nope"], missing="skip").result(30)[1] is None
     with pytest.raises(StoreClosedError):
         s.submit_get_many(["a"])
+
+
+def test_a_job_raising_keyboardinterrupt_leaves_the_jobs_after_it_queued():
+    """Ctrl-C inside one job's start reaches the loop, that job's future holds
+    it, and the jobs submitted with it still run at the next drain (none is
+    left pending, which would hang close())."""
+    from aionvme.store._kv import Jobs
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    loop = asyncio.new_event_loop()
+    try:
+        jobs = Jobs()
+        f1 = jobs.submit(loop, interrupted)
+        f2 = jobs.submit(loop, lambda: "second")
+        with pytest.raises(KeyboardInterrupt):
+            jobs._drain(loop)
+        assert isinstance(f1.exception(0), KeyboardInterrupt) and not f2.done()
+        loop.run_until_complete(asyncio.sleep(0))  # the drain it rescheduled
+        assert f2.result(0) == "second"
+        assert not jobs.futures
+    finally:
+        loop.close()

@@ -355,7 +355,7 @@ class Jobs:
         with self.lock:
             jobs, self.queue = self.queue, []
             closed = self.closed
-        for fut, fn, args in jobs:
+        for i, (fut, fn, args) in enumerate(jobs):
             if fut.cancelled():
                 self._finish(fut, None, None)
                 continue
@@ -364,9 +364,17 @@ class Jobs:
                 continue
             try:
                 r = fn(*args)
-            except Exception as e:  # the job's own error: on its future
+            except BaseException as e:  # the job's own error: on its future
                 self._finish(fut, None, e)
-                continue
+                if isinstance(e, Exception):
+                    continue
+                # KeyboardInterrupt, SystemExit: the loop's to raise; the jobs
+                # after this one run at the next drain
+                with self.lock:
+                    if not self.queue:
+                        loop.call_soon(self._drain, loop)
+                    self.queue[:0] = jobs[i + 1 :]
+                raise
             if type(r) is not types.CoroutineType:
                 self._finish(fut, r, None)
                 continue
