@@ -415,6 +415,8 @@ def test_a_host_hit_through_submit_checks_every_buffer_before_filling_any(tmp_pa
         with pytest.raises(StoreKeyError):
             s.submit_get_many(["a", "nope"]).result(30)
         assert s.submit_get_many(["a", "nope"], missing="skip").result(30)[1] is None
+        with pytest.raises(TypeError, match="outs"):  # a typo is refused, hit or not
+            s.submit_get_many(["a"], outs=[good])
     with pytest.raises(StoreClosedError):
         s.submit_get_many(["a"])
 

@@ -25,6 +25,8 @@ __all__ = ["KVCalls"]
 # millisecond of memcpy here): a batch of large hits never stalls the loop
 YIELD_EVERY = 4 << 20
 
+GET_KWARGS = frozenset({"device", "out", "missing", "timeout"})  # get_many's, after the keys
+
 
 class KVCalls:
     """Part of :class:`TieredStore` (its attributes are the store's)."""
@@ -140,6 +142,9 @@ class KVCalls:
         ``timeout=``) from any thread, as :meth:`submit_put_many`. Hits in
         host memory are copied on the loop's thread in the callback that
         starts the job (no coroutine), when the call copies under 4 MiB."""
+        bad = kw.keys() - GET_KWARGS
+        if bad:  # (a host hit never reaches get_many, which would refuse them)
+            raise TypeError(f"submit_get_many() got unexpected keyword arguments {sorted(bad)}")
         if kw.get("out") is not None:
             kw["out"] = list(kw["out"])
         return self._jobs.submit(self._job_loop(), self._get_job, list(keys), kw)
