@@ -6,6 +6,7 @@ churn of a bounded cache written ten times over while another thread reads."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
 import select
@@ -443,3 +444,28 @@ def test_a_job_raising_keyboardinterrupt_leaves_the_jobs_after_it_queued():
         assert not jobs.futures
     finally:
         loop.close()
+
+
+def test_cancelling_a_running_job_cancels_its_task_and_still_counts(tmp_path):
+    """A put waiting for room in a host tier full of held values: cancelling
+    its future cancels the put on the loop (the key stays absent), and the
+    eventfd still counts the job once."""
+    s, loop, hold, release, stop = _own_loop(tmp_path, host="256K")
+    try:
+        fd = s.completion_fd()
+        call = functools.partial(asyncio.run_coroutine_threadsafe, loop=loop)
+        call(s.put_many({i: block(i, 64 * KiB) for i in range(3)})).result(30)  # with "bind": full
+        holds = [s.hold(i) for i in range(3)]
+        for h in holds:
+            call(h.__aenter__()).result(30)
+        f = s.submit_put_many({"x": block("x", 64 * KiB)}, timeout=60)
+        for _ in range(3):  # the drain, then the task's first steps: it waits for room
+            call(asyncio.sleep(0)).result(30)
+        assert not s._jobs.queue and not f.done()
+        assert f.cancel()
+        assert wait_count(fd, 1) == 1
+        for h in holds:
+            call(h.__aexit__(None, None, None)).result(30)
+        assert "x" not in s
+    finally:
+        stop()
