@@ -50,3 +50,24 @@ def test_the_kv_workload_runs_by_name(tmp_path):
     assert r.workload == "kv" and r.verified, r.notes
     assert r.figures["churn_max_disk_bytes"] <= r.figures["churn_capacity"]
     assert "load_64K_b8_GBps" in r.figures and r.figures["host_hit_submit_us"] > 0
+
+
+def test_time_loads_with_loads_in_flight_gives_each_its_own_buffers(tmp_path):
+    """Engine-like loads (start now, wait later, 4 in flight): every block
+    checked in its own buffers; a start that fills the wrong ones is caught."""
+    with SyncTieredStore(tmp_path, host=0, nvme="8M", on_full="evict") as s:
+        load, store = kv.store_fns(s)
+        start = kv.store_start(s)
+        rows = kv.time_loads(
+            load, store, [64 * KiB], [1, 4, 16], total=MiB, cold=None, start=start, inflight=4
+        )
+        assert [(r["batch"], r["inflight"]) for r in rows] == [(1, 4), (4, 4), (16, 1)]
+        assert all(r["verified"] == 1.0 for r in rows)
+
+        def swapped(keys, outs):  # the blocks of a call into each other's buffers
+            return start(keys[::-1], outs)
+
+        rows = kv.time_loads(
+            load, store, [64 * KiB], [2], total=MiB, cold=None, start=swapped, inflight=4, first_key=2000
+        )
+        assert rows[0]["verified"] == 0.0

@@ -17,6 +17,7 @@ from _fuzz import fuzz_settings
 from _kvblocks import KiB, MiB, block, disk_bytes, nvme_for
 from aionvme.store import (
     OutBufferError,
+    StoreClosedError,
     StoreFullError,
     StoreKeyError,
     StoreKeyTypeError,
@@ -429,3 +430,59 @@ async def test_a_large_batch_of_host_hits_lets_the_loop_run_between_slices(tmp_p
         await t
         assert ticks - start >= 8  # 64 MiB in 4 MiB slices
         assert all(np.array_equal(outs[k], block(k % 4, MiB)) for k in (0, 33, 63))
+
+
+async def test_touch_keeps_a_value_as_a_get_would_without_reading_it(tmp_path):
+    """touch(keys) makes them the warmest for cache mode's drops (and the
+    host tier's policy) with no read: absent keys are ignored."""
+    cap = nvme_for(1 * MiB)
+    async with TieredStore(tmp_path, host=0, nvme=cap, on_full="evict") as s:
+        for k in range(16):
+            await s.put(k, block(k))
+        reads = s.stats()["nvme"]["hits"]
+        s.touch([0, 2, "absent"])
+        assert s.stats()["nvme"]["hits"] == reads  # nothing read
+        for k in range(16, 19):
+            await s.put(k, block(k))
+        assert s.drain_evicted() == [1, 3, 4]
+        assert "absent" not in s
+        with pytest.raises(TypeError):
+            s.touch(0)
+
+
+async def test_touch_on_the_host_tier_moves_a_key_to_the_end_of_its_lru(tmp_path):
+    async with TieredStore(tmp_path, host=256 * KiB) as s:
+        for k in range(4):  # 4 x 64 KiB: full
+            await s.put(k, block(k))
+        s.touch([0])
+        await s.put(4, block(4))  # pushes the coldest out of memory: 1, not 0
+        assert "host" in s.where(0) and s.where(1) == ["nvme"]
+
+
+def test_touch_from_another_thread_applies_before_later_jobs(tmp_path):
+    cap = nvme_for(1 * MiB)
+    with SyncTieredStore(tmp_path, host=0, nvme=cap, on_full="evict") as s:
+        for k in range(16):
+            s.put(k, block(k))
+        s.touch([0])  # from this thread: queued on the store's loop
+        s.submit_put_many({16: block(16)}).result(30)
+        assert s.drain_evicted() == [1]
+    with pytest.raises(StoreClosedError):
+        s.touch([0])
+
+
+async def test_drained_keys_are_bounded_oldest_forgotten_and_counted(tmp_path):
+    cap = nvme_for(1 * MiB)
+    async with TieredStore(tmp_path, host=0, nvme=cap, on_full="evict", evicted_max=3) as s:
+        for k in range(16 + 5):
+            await s.put(k, block(k))
+        assert s.drain_evicted() == [2, 3, 4]  # the newest 3 of 5 dropped
+        assert s.evicted_lost == 2
+        await s.put(21, block(21))
+        assert s.drain_evicted() == [5] and s.evicted_lost == 2
+    async with TieredStore(tmp_path / "b", host=0, nvme=cap, on_full="evict", evicted_max=None) as s:
+        for k in range(16 + 5):
+            await s.put(k, block(k))
+        assert s.drain_evicted() == [0, 1, 2, 3, 4] and s.evicted_lost == 0
+    with pytest.raises(ValueError, match="evicted_max"):
+        TieredStore(tmp_path / "c", nvme="1M", on_full="evict", evicted_max=-1)

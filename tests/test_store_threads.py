@@ -6,6 +6,7 @@ churn of a bounded cache written ten times over while another thread reads."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
 import select
@@ -258,3 +259,213 @@ def test_loads_into_gpu_memory_from_an_engine_thread(tmp_path):
         assert torch.equal(outs[0].cpu(), torch.from_numpy(block(0, n)))
         assert bool((outs[1] == 7).all())
         assert torch.equal(outs[2].cpu(), torch.from_numpy(block(7, n)))
+
+
+def test_many_threads_at_once_each_future_its_own_result_and_the_eventfd_never_ahead(tmp_path):
+    """8 threads submit gets of host hits, NVMe-only values and absent keys at
+    once: each future holds its own keys' bytes, and every count on the
+    eventfd is for a future already done (a poller checks at each read)."""
+    jobs = 8 * 25
+    with SyncTieredStore(tmp_path, host="512K", nvme="16M", on_full="evict") as s:
+        s.put_many({("h", i): block(("h", i), 4 * KiB) for i in range(16)})  # host tier
+        s.put_many({("n", i): block(("n", i), 64 * KiB) for i in range(32)}, to="nvme")
+        assert s.where(("n", 0)) == ["nvme"] and "host" in s.where(("h", 0))
+        fd = s.completion_fd()
+        futs: list = []
+        lock = threading.Lock()
+        ahead: list[int] = []  # per eventfd read: counts signalled less futures done (never > 0)
+        total = [0]
+
+        def poller() -> None:
+            p = select.poll()
+            p.register(fd, select.POLLIN)
+            deadline = time.monotonic() + 60
+            while total[0] < jobs and time.monotonic() < deadline:
+                if p.poll(100):
+                    total[0] += os.eventfd_read(fd)
+                    with lock:
+                        done = sum(f.done() for _, _, f in futs)
+                    ahead.append(total[0] - done)
+
+        def engine_thread(t: int) -> None:
+            for i in range(25):
+                keys = [("h", (t + i) % 16), ("n", (3 * t + i) % 32), ("x", i)][: 1 + i % 3]
+                outs = [np.zeros(64 * KiB if k[0] == "n" else 4 * KiB, np.uint8) for k in keys]
+                with lock:
+                    futs.append((keys, outs, s.submit_get_many(keys, out=outs, missing="skip")))
+
+        pt = threading.Thread(target=poller)
+        pt.start()
+        threads = [threading.Thread(target=engine_thread, args=(t,)) for t in range(8)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        pt.join(90)
+        assert total[0] == len(futs) == jobs
+        assert ahead and max(ahead) <= 0, ahead
+        for keys, outs, f in futs:
+            assert f.result() == [k[0] != "x" for k in keys]
+            for k, o in zip(keys, outs):
+                want = np.zeros_like(o) if k[0] == "x" else block(k, o.size)
+                assert np.array_equal(o, want), k
+
+
+def _own_loop(tmp_path, **kw):
+    """A TieredStore bound to a loop running in a thread of its own, and a
+    way to hold that loop busy: ``(store, loop, thread, hold, release, stop)``."""
+    s = TieredStore(tmp_path, **kw)
+    loop = asyncio.new_event_loop()
+    bound = threading.Event()
+    gate = threading.Event()
+
+    async def bind() -> None:
+        await s.put("bind", block("bind", 4 * KiB))
+        bound.set()
+
+    th = threading.Thread(target=loop.run_forever)
+    th.start()
+    asyncio.run_coroutine_threadsafe(bind(), loop).result(30)
+
+    def hold() -> None:
+        gate.clear()
+        loop.call_soon_threadsafe(gate.wait, 30)  # the loop's thread waits here
+
+    def stop() -> None:
+        gate.set()
+        asyncio.run_coroutine_threadsafe(s.close(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        th.join(30)
+        loop.close()
+
+    return s, loop, hold, gate.set, stop
+
+
+def test_jobs_submitted_while_the_loop_is_busy_share_one_wakeup_and_complete_in_order(tmp_path):
+    """40 gets submitted from 4 threads while the store's loop is busy wake it
+    once (one callback starts them all, not one hop per call); host hits
+    complete in the order they were submitted."""
+    s, loop, hold, release, stop = _own_loop(tmp_path, host="1M")
+    try:
+        asyncio.run_coroutine_threadsafe(s.put_many({i: block(i, 4 * KiB) for i in range(40)}), loop).result(
+            30
+        )
+        wakeups = []
+        real = loop.call_soon_threadsafe
+
+        def counting(cb, *args, **kw):
+            wakeups.append(cb)
+            return real(cb, *args, **kw)
+
+        order: list[int] = []
+        futs = []
+        lock = threading.Lock()
+        hold()
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        try:
+
+            def engine_thread(t: int) -> None:
+                for i in range(t, 40, 4):
+                    with lock:  # submission order is the order of this list
+                        f = s.submit_get_many([i])
+                        f.add_done_callback(lambda _f, i=i: order.append(i))
+                        futs.append((i, f))
+
+            threads = [threading.Thread(target=engine_thread, args=(t,)) for t in range(4)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+        finally:
+            loop.call_soon_threadsafe = real  # type: ignore[method-assign]
+            release()
+        for i, f in futs:
+            assert np.array_equal(f.result(30)[0], block(i, 4 * KiB))
+        assert len(wakeups) == 1, wakeups
+        assert order == [i for i, _ in futs]
+    finally:
+        stop()
+
+
+def test_a_job_cancelled_before_it_starts_never_runs_and_still_counts(tmp_path):
+    s, loop, hold, release, stop = _own_loop(tmp_path, host="1M")
+    try:
+        fd = s.completion_fd()
+        hold()
+        f = s.submit_put_many({"x": block("x")})
+        g = s.submit_put_many({"y": block("y")})
+        assert f.cancel()
+        release()
+        assert g.result(30) is None
+        assert wait_count(fd, 2) == 2  # each job once, the cancelled one too
+        assert "x" not in s and "y" in s
+    finally:
+        stop()
+
+
+def test_a_host_hit_through_submit_checks_every_buffer_before_filling_any(tmp_path):
+    """The host-hit path (copied in the callback that starts the job) keeps
+    get_many's contract: a wrong out= buffer is an OutBufferError and no
+    buffer is filled; a closed store refuses."""
+    with SyncTieredStore(tmp_path, host="1M", nvme="4M", on_full="evict") as s:
+        s.put_many({k: block(k, 4 * KiB) for k in "ab"})
+        good, bad = np.zeros(4 * KiB, np.uint8), np.zeros(2 * KiB, np.uint8)
+        f = s.submit_get_many(["a", "b"], out=[good, bad], missing="skip")
+        assert isinstance(f.exception(30), OutBufferError)
+        assert not good.any()
+        with pytest.raises(StoreKeyError):
+            s.submit_get_many(["a", "nope"]).result(30)
+        assert s.submit_get_many(["a", "nope"], missing="skip").result(30)[1] is None
+        with pytest.raises(TypeError, match="outs"):  # a typo is refused, hit or not
+            s.submit_get_many(["a"], outs=[good])
+    with pytest.raises(StoreClosedError):
+        s.submit_get_many(["a"])
+
+
+def test_a_job_raising_keyboardinterrupt_leaves_the_jobs_after_it_queued():
+    """Ctrl-C inside one job's start reaches the loop, that job's future holds
+    it, and the jobs submitted with it still run at the next drain (none is
+    left pending, which would hang close())."""
+    from aionvme.store._kv import Jobs
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    loop = asyncio.new_event_loop()
+    try:
+        jobs = Jobs()
+        f1 = jobs.submit(loop, interrupted)
+        f2 = jobs.submit(loop, lambda: "second")
+        with pytest.raises(KeyboardInterrupt):
+            jobs._drain(loop)
+        assert isinstance(f1.exception(0), KeyboardInterrupt) and not f2.done()
+        loop.run_until_complete(asyncio.sleep(0))  # the drain it rescheduled
+        assert f2.result(0) == "second"
+        assert not jobs.futures
+    finally:
+        loop.close()
+
+
+def test_cancelling_a_running_job_cancels_its_task_and_still_counts(tmp_path):
+    """A put waiting for room in a host tier full of held values: cancelling
+    its future cancels the put on the loop (the key stays absent), and the
+    eventfd still counts the job once."""
+    s, loop, hold, release, stop = _own_loop(tmp_path, host="256K")
+    try:
+        fd = s.completion_fd()
+        call = functools.partial(asyncio.run_coroutine_threadsafe, loop=loop)
+        call(s.put_many({i: block(i, 64 * KiB) for i in range(3)})).result(30)  # with "bind": full
+        holds = [s.hold(i) for i in range(3)]
+        for h in holds:
+            call(h.__aenter__()).result(30)
+        f = s.submit_put_many({"x": block("x", 64 * KiB)}, timeout=60)
+        for _ in range(3):  # the drain, then the task's first steps: it waits for room
+            call(asyncio.sleep(0)).result(30)
+        assert not s._jobs.queue and not f.done()
+        assert f.cancel()
+        assert wait_count(fd, 1) == 1
+        for h in holds:
+            call(h.__aexit__(None, None, None)).result(30)
+        assert "x" not in s
+    finally:
+        stop()

@@ -5,7 +5,10 @@ to the engines' own file backends (run from the installed packages) and fio.
 Each point stores then loads KV blocks of S bytes, B per call (vLLM: one
 ``submit_store``/``submit_load`` job of B chunks, polled to completion;
 SGLang: one ``batch_set``/``batch_get`` call of B pages, as its cache
-controller makes them), until ``--total`` bytes have gone each way:
+controller makes them), until ``--total`` bytes have gone each way. vLLM's
+loads run twice: one job at a time, and ``--inflight`` jobs in flight (its
+scheduler submits one load per request each step and polls
+``get_finished_jobs``; here every 0.2 ms). SGLang's calls block, one at a time:
 
   vllm   aionvme   aionvme.integrations.vllm.AionvmeTier (SecondaryTierFactory, module path)
          own       vLLM's FileSystemTierManager ("fs": a file per chunk, 16+16 threads)
@@ -144,12 +147,18 @@ def vllm_spec() -> Any:
     return s
 
 
-def vllm_point(side: str, d: str, size: int, batch: int, rounds: int) -> dict[str, Any]:
+def vllm_point(side: str, d: str, size: int, batch: int, rounds: int, inflight: int = 1) -> dict[str, Any]:
+    """A store then a load of ``rounds`` jobs of ``batch`` chunks. Loads go as
+    vLLM's scheduler makes them: up to ``inflight`` jobs submitted (one per
+    request each step), then ``get_finished_jobs`` polled (every 0.2 ms: its
+    tier-poll thread) until one ends and the next can go; inflight=1: each
+    job waited for (``drain_jobs``) before the next."""
     from vllm.v1.kv_offload.base import ReqContext, make_offload_key
     from vllm.v1.kv_offload.tiering.base import TransferJob
     from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
-    mem = aligned(2 * batch * size).view(2 * batch, size)
+    slots = max(1, min(inflight, rounds))
+    mem = aligned((1 + slots) * batch * size).view((1 + slots) * batch, size)
     if side == "aionvme":
         cfg = {
             "type": "AionvmeTier",
@@ -166,22 +175,45 @@ def vllm_point(side: str, d: str, size: int, batch: int, rounds: int) -> dict[st
     def keys(r: int) -> list[Any]:
         return [make_offload_key(((r << 20) | i).to_bytes(16, "big"), 0) for i in range(batch)]
 
-    def run(load: bool) -> None:
+    def check(results: list[Any], what: str) -> None:
+        if not all(x.success for x in results):
+            raise SystemExit(f"vllm {side}: a {what} failed")
+
+    def run_stores() -> None:
         for r in range(rounds):
-            chunks = list(range(batch, 2 * batch)) if load else list(range(batch))
-            if not load:
-                stamp(mem[:batch], [(r << 20) | i for i in range(batch)])
-            job = TransferJob(next(jid), keys(r), np.array(chunks, dtype=np.int64), load, ctx)
-            (tier.submit_load if load else tier.submit_store)(job)
+            stamp(mem[:batch], [(r << 20) | i for i in range(batch)])
+            tier.submit_store(TransferJob(next(jid), keys(r), np.arange(batch, dtype=np.int64), False, ctx))
             tier.drain_jobs()
-            res = list(tier.get_finished_jobs())
-            if not all(x.success for x in res):
-                raise SystemExit(f"vllm {side}: a {'load' if load else 'store'} failed")
-            if load and not stamped(mem[batch:], [(r << 20) | i for i in range(batch)]):
-                raise SystemExit(f"vllm {side}: wrong bytes loaded")
+            check(list(tier.get_finished_jobs()), "store")
+
+    def run_loads() -> None:
+        live: dict[int, tuple[int, int]] = {}  # job id -> (round, slot)
+        free = list(range(slots))
+        r = 0
+        while r < rounds or live:
+            while r < rounds and free:
+                slot = free.pop()
+                chunks = np.arange((1 + slot) * batch, (2 + slot) * batch, dtype=np.int64)
+                job = TransferJob(next(jid), keys(r), chunks, True, ctx)
+                live[job.job_id] = (r, slot)
+                tier.submit_load(job)
+                r += 1
+            if slots == 1:
+                tier.drain_jobs()
+            done = list(tier.get_finished_jobs())
+            if not done:
+                time.sleep(0.0002)
+                continue
+            check(done, "load")
+            for x in done:
+                rr, slot = live.pop(x.job_id)
+                lo = (1 + slot) * batch
+                if not stamped(mem[lo : lo + batch], [(rr << 20) | i for i in range(batch)]):
+                    raise SystemExit(f"vllm {side}: wrong bytes loaded")
+                free.append(slot)
 
     try:
-        return measure(d, rounds * batch * size, lambda: run(False), lambda: run(True), sync=False)
+        return measure(d, rounds * batch * size, run_stores, run_loads, sync=False)
     finally:
         tier.shutdown()
 
@@ -341,6 +373,12 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="a few small points: proves it runs")
     p.add_argument("--repeat", type=int, default=1, help="runs per point (median; sides alternate)")
     p.add_argument("--json", help="write the results here")
+    p.add_argument(
+        "--inflight",
+        type=int,
+        default=8,
+        help="vLLM: also load with this many jobs in flight, as its scheduler submits them (default 8)",
+    )
     p.add_argument("--torch-threads", type=int, default=1, help="torch.set_num_threads (0: leave it)")
     a = p.parse_args()
     if a.torch_threads:
@@ -366,28 +404,43 @@ def main() -> None:
                 else:
                     sglang_point(side, d, 1 << 20, 2, 2, a.pool)
                 shutil.rmtree(d, ignore_errors=True)
+            # vLLM submits loads without waiting (one per request each step): one
+            # at a time and --inflight at once; SGLang's batch_get is blocking
+            depths = sorted({1, max(1, a.inflight)}) if eng == "vllm" else [1]
             for size in sizes:
                 for batch in batches:
                     if batch * size > cap:
                         continue
                     rounds = max(1, total // (batch * size))
-                    runs: dict[str, list[dict[str, Any]]] = {"own": [], "aionvme": []}
-                    for rep in range(a.repeat):  # the sides take turns going first
-                        for side in ("own", "aionvme")[:: 1 if rep % 2 == 0 else -1]:
-                            d = os.path.join(root, f"{eng}-{side}")
-                            os.makedirs(d)
-                            try:
-                                if eng == "vllm":
-                                    r = vllm_point(side, d, size, batch, rounds)
-                                else:
-                                    r = sglang_point(side, d, size, batch, rounds, a.pool)
-                            finally:
-                                shutil.rmtree(d, ignore_errors=True)
-                            runs[side].append(r)
-                    for side, rs in runs.items():
-                        med = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
-                        results.append({"engine": eng, "side": side, "size": size, "batch": batch, **med})
-                        print(json.dumps(results[-1]), flush=True)
+                    for depth in depths:
+                        if depth > 1 and rounds == 1:
+                            continue  # one job: nothing to overlap
+                        runs: dict[str, list[dict[str, Any]]] = {"own": [], "aionvme": []}
+                        for rep in range(a.repeat):  # the sides take turns going first
+                            for side in ("own", "aionvme")[:: 1 if rep % 2 == 0 else -1]:
+                                d = os.path.join(root, f"{eng}-{side}")
+                                os.makedirs(d)
+                                try:
+                                    if eng == "vllm":
+                                        r = vllm_point(side, d, size, batch, rounds, depth)
+                                    else:
+                                        r = sglang_point(side, d, size, batch, rounds, a.pool)
+                                finally:
+                                    shutil.rmtree(d, ignore_errors=True)
+                                runs[side].append(r)
+                        for side, rs in runs.items():
+                            med = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
+                            results.append(
+                                {
+                                    "engine": eng,
+                                    "side": side,
+                                    "size": size,
+                                    "batch": batch,
+                                    "inflight": min(depth, rounds),
+                                    **med,
+                                }
+                            )
+                            print(json.dumps(results[-1]), flush=True)
         fios += [f for f in [fio_read(root, max(total, 256 << 20))] if f]
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -400,13 +453,15 @@ def main() -> None:
             o
             for o in results
             if o["side"] == "own"
-            and (o["engine"], o["size"], o["batch"]) == (r["engine"], r["size"], r["batch"])
+            and (o["engine"], o["size"], o["batch"], o["inflight"])
+            == (r["engine"], r["size"], r["batch"], r["inflight"])
         )
         rows.append(
             [
                 r["engine"],
                 f"{r['size'] / 2**20:g} MiB",
                 str(r["batch"]),
+                str(r["inflight"]),
                 f"{r['load_GBps']:.2f}",
                 f"{r['load_GBps'] / ref:.2f}x" if ref else "-",
                 f"{r['load_GBps'] / own['load_GBps']:.2f}x",
@@ -420,6 +475,7 @@ def main() -> None:
         "engine",
         "block",
         "batch",
+        "jobs in flight",
         "load GB/s",
         "/fio",
         "/own",

@@ -6,7 +6,8 @@ Every side is an LMCache L2 adapter made the way LMCache makes one (its
 store and prefetch controllers drive one: tasks of B chunks (KV chunks of S
 bytes, ``ObjectKey`` keys, ``TensorMemoryObj`` buffers carved from one
 page-aligned L1 pool, as LMCache's allocator carves its own), up to 8 tasks
-in flight (the prefetch controller's default), completion by eventfd.
+in flight (the prefetch controller's default; ``--inflight``, each depth a
+row: 1 is one task at a time), completion by eventfd.
 
 Sides:
 
@@ -40,8 +41,8 @@ Each point runs every side and fio --repeat times, in rounds whose order
 rotates; the figures are medians.
 
 --shared runs instead the procedure aionvme.bench.kv times every KV tier with
-(time_stores / time_loads: one blocking call at a time, numpy buffers, cold
-loads, verified), each side wrapped as its load(keys, outs) / store(keys, values).
+(time_stores / time_loads: one blocking call at a time, page-aligned numpy
+buffers, cold loads, verified), each side wrapped as its load(keys, outs) / store(keys, values).
 
     python3 bench/suites/bench_kv_lmcache.py --quick
     python3 bench/suites/bench_kv_lmcache.py --churn --sizes 2M --churn-cap 256M
@@ -160,13 +161,14 @@ def run_tasks(
     submit: Callable[[list[int]], int],
     fd: int,
     done: Callable[[set[int]], dict[int, Any]],
+    depth: int = INFLIGHT,
 ) -> dict[int, Any]:
-    """Up to INFLIGHT tasks in flight until every batch has completed; returns task id -> result."""
+    """Up to ``depth`` tasks in flight until every batch has completed; returns task id -> result."""
     todo = collections.deque(batches)
     live: set[int] = set()
     out: dict[int, Any] = {}
     while todo or live:
-        while todo and len(live) < INFLIGHT:
+        while todo and len(live) < depth:
             live.add(submit(todo.popleft()))
         if live:
             _wait(fd)
@@ -181,7 +183,7 @@ def cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def measure(side: str, base: str, pool: Pool, batch: int) -> dict[str, Any]:
+def measure(side: str, base: str, pool: Pool, batch: int, depth: int = INFLIGHT) -> dict[str, Any]:
     d = tempfile.mkdtemp(prefix=f"{side}-", dir=base)
     a = make_adapter(side, d, pool.n * pool.size + (64 << 20))
     keys, objs = pool.keys, pool.objs
@@ -215,6 +217,7 @@ def measure(side: str, base: str, pool: Pool, batch: int) -> dict[str, Any]:
             lambda b: a.submit_lookup_and_lock_task([keys[i] for i in b], {}),
             a.get_lookup_and_lock_event_fd(),
             lookups,
+            depth,
         )
         found = [len(bm.get_indices_list()) for bm in looked.values()]
 
@@ -227,6 +230,7 @@ def measure(side: str, base: str, pool: Pool, batch: int) -> dict[str, Any]:
             lambda b: a.submit_load_task([keys[i] for i in b], [objs[i] for i in b]),
             a.get_load_event_fd(),
             loads,
+            depth,
         )
         for b in batches:
             a.submit_unlock([keys[i] for i in b])
@@ -417,9 +421,9 @@ def shared_procedure(
     base: str, sides: list[str], sizes: list[int], batches: list[int], total: int
 ) -> dict[str, Any]:
     """Each side through :func:`aionvme.bench.kv.time_stores` and
-    :func:`~aionvme.bench.kv.time_loads` (its buffers are plain numpy arrays,
-    not page-aligned: an O_DIRECT side that cannot read into them fails its
-    point, reported as such)."""
+    :func:`~aionvme.bench.kv.time_loads` (its buffers are page-aligned
+    numpy arrays, as LMCache's L1 pool is; a side that fails a point is
+    reported as such)."""
     from aionvme.bench.kv import fio_seqread, time_loads, time_stores
 
     fio_path = os.path.join(base, "fio.bin")
@@ -458,7 +462,9 @@ def median(runs: list[dict[str, Any]], key: str) -> float:
     return vals[(len(vals) - 1) // 2]
 
 
-def point(base: str, pool: Pool, batch: int, sides: list[str], repeat: int) -> dict[str, Any]:
+def point(
+    base: str, pool: Pool, batch: int, sides: list[str], repeat: int, depth: int = INFLIGHT
+) -> dict[str, Any]:
     """Each side ``repeat`` times, and fio as many, in rounds whose order
     rotates (a shared disk drifts: who runs first must not always gain);
     the median of each figure."""
@@ -472,10 +478,11 @@ def point(base: str, pool: Pool, batch: int, sides: list[str], repeat: int) -> d
                 if f is not None:
                     fios.append(f)
             else:
-                runs[side].append(measure(side, base, pool, batch))
+                runs[side].append(measure(side, base, pool, batch, depth))
     out: dict[str, Any] = {
         "size": pool.size,
         "batch": batch,
+        "inflight": depth,
         "fio_GBps": median(fios, "GBps") if fios else None,
     }
     if fios:
@@ -489,7 +496,7 @@ def point(base: str, pool: Pool, batch: int, sides: list[str], repeat: int) -> d
 
 
 def report(p: dict[str, Any], sides: list[str]) -> None:
-    head = f"{p['size'] / 2**20:5.1f} MiB x {p['batch']:>3}"
+    head = f"{p['size'] / 2**20:5.1f} MiB x {p['batch']:>3}, {p.get('inflight', INFLIGHT)} in flight"
     fio_gbps = p["fio_GBps"]
     if fio_gbps:
         print(f"{head}  {'fio':>10}: read  {fio_gbps:5.2f} GB/s {p['fio_cpu_s_per_GB']:5.2f} CPU s/GB")
@@ -521,6 +528,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,8,32,128", help="chunks per task")
     p.add_argument("--total", default="512M", help="bytes stored and loaded per point (the L1 pool's size)")
     p.add_argument("--sides", default=",".join(SIDES), help=f"adapters to run (of {', '.join(SIDES)})")
+    p.add_argument(
+        "--inflight",
+        default=f"1,{INFLIGHT}",
+        help=f"tasks in flight, each a row (default 1,{INFLIGHT}: one at a time, and as LMCache's prefetch)",
+    )
     p.add_argument("--repeat", type=int, default=3, help="rounds per point (medians)")
     p.add_argument("--quick", action="store_true", help="two small points, once: proves it runs")
     p.add_argument("--churn", action="store_true", help="only the churn workload (see above)")
@@ -541,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sizes = [parse_size(x) for x in a.sizes.split(",")]
     batches = [int(x) for x in a.batches.split(",")]
+    depths = [int(x) for x in a.inflight.split(",")]
     sides = [s for s in a.sides.split(",") if s]
     for s in sides:
         spec(s, "", 0)  # an unknown side stops here, before any I/O
@@ -579,9 +592,10 @@ def main(argv: list[str] | None = None) -> int:
         for size in sizes:
             pool = Pool(max(1, total // size), size)
             for batch in batches:
-                if batch <= pool.n:
-                    res["points"].append(point(base, pool, batch, sides, a.repeat))
-                    report(res["points"][-1], sides)
+                for depth in depths:
+                    if batch <= pool.n and (depth == 1 or batch < pool.n):  # one task: nothing to overlap
+                        res["points"].append(point(base, pool, batch, sides, a.repeat, depth))
+                        report(res["points"][-1], sides)
             del pool
     finally:
         shutil.rmtree(base, ignore_errors=True)

@@ -385,3 +385,24 @@ def test_persist_keeps_the_chunks_across_a_restart(tmp_path: Path) -> None:
         assert torch.equal(mem[6], expected[1]) and torch.equal(mem[7], expected[0])
     finally:
         again.shutdown()
+
+
+def test_touch_keeps_a_chunk_vllm_used_again_over_colder_ones(tmp_path: Path) -> None:
+    mem = primary()
+    tier = make_tier(tmp_path, mem, capacity=8 * CHUNK)
+    try:
+        for j in range(6):  # the tier holds 7 (less the filesystem's part)
+            fill(mem, [0], seed=40 + j)
+            tier.submit_store(job(j, [key(j)], [0]))
+            assert all(r.success for r in drain(tier))
+        tier.touch([key(0)], CTX)  # the oldest chunk, used again: now the warmest
+        for j in range(6, 10):  # 4 more: the 3 coldest go
+            fill(mem, [0], seed=40 + j)
+            tier.submit_store(job(j, [key(j)], [0]))
+            assert all(r.success for r in drain(tier))
+        probe = ReqContext(req_id="probe")
+        assert tier.lookup(key(0), probe) is LookupResult.HIT
+        assert tier.lookup(key(1), probe) is LookupResult.MISS
+        tier.on_request_finished(probe)
+    finally:
+        tier.shutdown()

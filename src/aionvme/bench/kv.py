@@ -12,6 +12,7 @@ so every figure comes from one procedure.
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import random
 import resource
@@ -39,6 +40,8 @@ BATCHES = (1, 8, 32, 128)
 # load(keys, outs) / store(keys, values): blocking; keys are ints (block hashes)
 Load = Callable[[list[int], list[np.ndarray]], Any]
 Store = Callable[[list[int], list[np.ndarray]], Any]
+# start(keys, outs): begins a load, returns wait() (blocks until it is done)
+Start = Callable[[list[int], list[np.ndarray]], Callable[[], Any]]
 
 
 def block(key: int, nbytes: int, base: np.ndarray | None = None) -> np.ndarray:
@@ -121,40 +124,90 @@ def time_loads(
     cold: Callable[[], Any] | None = drop_caches,
     verify: bool = True,
     first_key: int = 0,
+    start: Start | None = None,
+    inflight: int = 1,
 ) -> list[dict[str, float]]:
     """Time ``load(keys, outs)`` (blocking: returns once every ``outs[i]``,
     a preallocated uint8 array, holds block ``keys[i]``) for each object
     size and batch size: ``total`` bytes of blocks per point, first stored
     with ``store(keys, values)``, then ``cold()`` (drop the page cache),
-    then loaded in calls of ``batch`` blocks. Rows as :func:`time_stores`,
-    plus ``verified`` (1.0: every block read back was the one stored)."""
+    then loaded in calls of ``batch`` blocks, into page-aligned buffers (as
+    the engines' are: vLLM's primary tier, LMCache's L1 pool, SGLang's host
+    pool). Rows as :func:`time_stores`,
+    plus ``verified`` (1.0: every block read back was the one stored) and
+    ``inflight``.
+
+    With ``start`` and ``inflight`` > 1, loads overlap as an engine's do:
+    ``start(keys, outs)`` begins one and returns ``wait()``, which blocks
+    until it is done (or raises); up to ``inflight`` run at once (fewer
+    where the point has fewer calls), each into buffers of its own, waited
+    for in the order they started; ``call_ms`` is then start to end of each."""
     rows: list[dict[str, float]] = []
     base = np.random.default_rng(2).integers(0, 256, max(sizes), dtype=np.uint8)
+    depth = max(1, inflight) if start is not None else 1
     for size, batch, n, keys in _grid(sizes, batches, total, first_key):
         for i in range(0, n, batch):
             ks = keys[i : i + batch]
             store(ks, [block(k, size, base) for k in ks])
         if cold is not None:
             cold()
-        outs = [np.empty(size, np.uint8) for _ in range(min(n, batch))]
+        slots = min(depth, -(-n // batch))
+        outs = [_page_aligned(size) for _ in range(slots * min(n, batch))]
         for o in outs:
             o.fill(0)  # touched: the first load does not pay the page faults
         ok = True
         calls: list[float] = []
+        live: collections.deque[tuple[Callable[[], Any], list[int], list[np.ndarray], float]] = (
+            collections.deque()
+        )
+
         c0, t0 = _cpu(), time.perf_counter()
-        for i in range(0, n, batch):
+        for j, i in enumerate(range(0, n, batch)):
             ks = keys[i : i + batch]
-            t = time.perf_counter()
-            load(ks, outs[: len(ks)])
-            calls.append(time.perf_counter() - t)
-            if verify:
-                ok = ok and all(_holds(o, k, base) for o, k in zip(outs, ks))
+            slot = (j % slots) * min(n, batch)
+            mine = outs[slot : slot + len(ks)]
+            if start is None:
+                t = time.perf_counter()
+                load(ks, mine)
+                calls.append(time.perf_counter() - t)
+                if verify:
+                    ok = ok and all(_holds(o, k, base) for o, k in zip(mine, ks))
+                continue
+            if len(live) == slots:
+                ok = (
+                    _oldest_done(live, calls, verify, base) and ok
+                )  # its buffers are the ones this call reuses
+            live.append((start(ks, mine), ks, mine, time.perf_counter()))
+        while live:
+            ok = _oldest_done(live, calls, verify, base) and ok
         wall, cpu = time.perf_counter() - t0, _cpu() - c0
         # (verification is inside the timed loop: a few µs per block, against ms of I/O)
         row = _row(size, batch, n, wall, cpu, calls)
         row["verified"] = float(ok)
+        row["inflight"] = float(slots)
         rows.append(row)
     return rows
+
+
+def _page_aligned(n: int) -> np.ndarray:
+    """A uint8 array of n bytes starting on a page (np.empty's start 16 bytes
+    into one: O_DIRECT reads into it bounce through the engine's buffers)."""
+    raw = np.empty(n + 4096, np.uint8)
+    off = -raw.ctypes.data % 4096
+    return raw[off : off + n]
+
+
+def _oldest_done(
+    live: collections.deque[tuple[Callable[[], Any], list[int], list[np.ndarray], float]],
+    calls: list[float],
+    verify: bool,
+    base: np.ndarray,
+) -> bool:
+    """Wait for the oldest load in flight; whether its buffers hold its blocks."""
+    wait, ks, outs, t = live.popleft()
+    wait()
+    calls.append(time.perf_counter() - t)
+    return not verify or all(_holds(o, k, base) for o, k in zip(outs, ks))
 
 
 def _holds(out: np.ndarray, key: int, base: np.ndarray) -> bool:
@@ -191,6 +244,23 @@ def store_fns(s: SyncTieredStore) -> tuple[Load, Store]:
         s.submit_put_many(dict(zip(keys, values))).result()
 
     return load, store
+
+
+def store_start(s: SyncTieredStore) -> Start:
+    """The store's load as an engine keeps several in flight: submitted, its
+    future waited on later."""
+
+    def start(keys: list[int], outs: list[np.ndarray]) -> Callable[[], None]:
+        fut = s.submit_get_many(keys, out=outs, missing="skip")
+
+        def wait() -> None:
+            got = fut.result()
+            if not all(got):
+                raise KeyError(f"{got.count(False)} of {len(keys)} blocks missing")
+
+        return wait
+
+    return start
 
 
 def churn(
@@ -274,13 +344,19 @@ def churn(
 
 
 def host_hit_us(directory: str, size: int = 512 << 10, calls: int = 2000) -> dict[str, float]:
-    """Per-call µs of a host-tier hit of one ``size``-byte block into an
-    ``out=`` buffer: through ``submit_get_many(...).result()`` (the
-    adapters' path, a hop to the store's loop and back) and through the
-    blocking ``get``; best of 5 windows."""
+    """The fixed cost of a call, µs, best of 5 windows:
+
+    - ``host_hit_submit_us`` / ``host_hit_get_us``: a host-tier hit of one
+      ``size``-byte block into an ``out=`` buffer, through
+      ``submit_get_many(...).result()`` (the adapters' path, a hop to the
+      store's loop and back) and through the blocking ``get``;
+    - ``nvme_load_submit_us`` / ``nvme_load_loop_us``: a load of one such
+      block from NVMe (64 blocks in turn), through ``submit_get_many`` from
+      this thread, and by ``get_many`` on the store's loop itself (no hop):
+      their difference is what the hop costs a load."""
     with SyncTieredStore(directory, host=4 * size + MiB, nvme=8 * size, on_full="evict") as s:
         s.put(1, block(1, size))
-        out = [np.empty(size, np.uint8)]
+        out = [_page_aligned(size)]
         best_submit = best_get = float("inf")
         for _ in range(5):
             t0 = time.perf_counter()
@@ -292,10 +368,30 @@ def host_hit_us(directory: str, size: int = 512 << 10, calls: int = 2000) -> dic
                 s.get(1, out=out[0])
             best_get = min(best_get, (time.perf_counter() - t0) / calls)
         hits = s.aio.stats()["host"]["hits"]
+    n, loads = 64, max(64, calls // 8)
+    with SyncTieredStore(directory + "-nvme", host=0, nvme=2 * n * size, on_full="evict") as s:
+        base = np.random.default_rng(3).integers(0, 256, size, dtype=np.uint8)
+        s.put_many({k: block(k, size, base) for k in range(n)})
+        best_nvme = best_loop = float("inf")
+
+        async def on_loop() -> float:
+            t0 = time.perf_counter()
+            for i in range(loads):
+                await s.aio.get_many([i % n], out=out, missing="skip")
+            return (time.perf_counter() - t0) / loads
+
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for i in range(loads):
+                s.submit_get_many([i % n], out=out, missing="skip").result()
+            best_nvme = min(best_nvme, (time.perf_counter() - t0) / loads)
+            best_loop = min(best_loop, asyncio.run_coroutine_threadsafe(on_loop(), s.loop).result())
     return {
         "host_hit_submit_us": round(best_submit * 1e6, 2),
         "host_hit_get_us": round(best_get * 1e6, 2),
         "host_hits": float(hits),
+        "nvme_load_submit_us": round(best_nvme * 1e6, 2),
+        "nvme_load_loop_us": round(best_loop * 1e6, 2),
     }
 
 
@@ -324,6 +420,7 @@ def run_kv(
     churn_capacity: int,
     fio_size: int,
     hit_calls: int = 2000,
+    inflight: int = 8,
 ) -> dict[str, Any]:
     """Every part of the workload, blocking (see :func:`kv_workload`). fio
     runs before and after the loads (``fio_GBps`` is their mean, both are
@@ -335,6 +432,7 @@ def run_kv(
         load, store = store_fns(s)
         stores = time_stores(store, sizes, batches, total=total)
         loads = time_loads(load, store, sizes, batches, total=total)
+        queued = time_loads(load, store, sizes, batches, total=total, start=store_start(s), inflight=inflight)
     after = fio_seqread(fio_path, fio_size)
     fio_gbps = None if before is None or after is None else (before + after) / 2
     ch = churn(os.path.join(workdir, "churn"), churn_capacity, sizes)
@@ -343,6 +441,7 @@ def run_kv(
         "fio_GBps": fio_gbps,
         "fio_before_after_GBps": [before, after],
         "loads": loads,
+        "loads_inflight": queued,
         "stores": stores,
         "churn": ch,
         "hit": hit,
@@ -362,21 +461,28 @@ async def kv_workload(ctx: Any) -> Result:
     - store: the same grid through ``submit_put_many``;
     - churn: 10x ``-o churn=64M`` written in random keys to a cache of that
       capacity while another thread reads: the most the slab took on disk;
-    - host hit: per-call µs of a 512 KiB host-tier hit.
+    - the same loads with ``-o inflight=8`` calls in flight (as the
+      engines keep them): ``load_<size>_b<batch>_q<n>_GBps``;
+    - per call: µs of a 512 KiB host-tier hit, and of a 512 KiB NVMe load
+      through submit and on the store's loop.
 
     ``figures``: ``fio_GBps``, ``load_<size>_b<batch>_GBps`` (and
     ``..._vs_fio``), ``store_<size>_b<batch>_GBps``, ``load_best_vs_fio``,
     ``churn_max_disk_bytes``, ``churn_capacity``, ``churn_wrong``,
-    ``host_hit_submit_us``, ``host_hit_get_us``.
+    ``host_hit_submit_us``, ``host_hit_get_us``, ``nvme_load_submit_us``,
+    ``nvme_load_loop_us``.
     """
     sizes = [parse_size(x) for x in ctx.option("sizes", "512K,2M,8M,32M").split(",")]
     batches = [int(x) for x in ctx.option("batches", "1,8,32,128").split(",")]
     total = ctx.option("total", min(ctx.size, 256 * MiB), parse_size)
     churn_cap = ctx.option("churn", 64 * MiB, parse_size)
     hit_calls = ctx.option("hit_calls", 2000, int)
+    inflight = ctx.option("inflight", 8, int)
     t0 = time.perf_counter()
     fio_size = min(ctx.size, 1 << 30)
-    got = await asyncio.to_thread(run_kv, ctx.workdir, sizes, batches, total, churn_cap, fio_size, hit_calls)
+    got = await asyncio.to_thread(
+        run_kv, ctx.workdir, sizes, batches, total, churn_cap, fio_size, hit_calls, inflight
+    )
     wall = time.perf_counter() - t0
     figures: dict[str, float] = {}
     fio_gbps = got["fio_GBps"]
@@ -388,6 +494,12 @@ async def kv_workload(ctx: Any) -> Result:
         name = f"load_{_label(int(r['size']))}_b{int(r['batch'])}"
         figures[f"{name}_GBps"] = r["GBps"]
         best = max(best, r["GBps"])
+        ok = ok and r["verified"] == 1.0
+        if fio_gbps:
+            figures[f"{name}_vs_fio"] = round(r["GBps"] / fio_gbps, 3)
+    for r in got["loads_inflight"]:
+        name = f"load_{_label(int(r['size']))}_b{int(r['batch'])}_q{int(r['inflight'])}"
+        figures[f"{name}_GBps"] = r["GBps"]
         ok = ok and r["verified"] == 1.0
         if fio_gbps:
             figures[f"{name}_vs_fio"] = round(r["GBps"] / fio_gbps, 3)
@@ -430,6 +542,15 @@ async def kv_workload(ctx: Any) -> Result:
         f"best load {best:.2f} GB/s{vs}; churn: max {ch['max_disk_bytes'] / MiB:.0f} MiB on disk for a "
         f"{ch['capacity'] / MiB:.0f} MiB cache, {int(ch['wrong'])} wrong reads; host hit "
         f"{figures['host_hit_submit_us']:.0f} us per call via submit, "
-        f"{figures['host_hit_get_us']:.0f} us via get"
+        f"{figures['host_hit_get_us']:.0f} us via get; NVMe load of 512 KiB "
+        f"{figures['nvme_load_submit_us']:.0f} us via submit, "
+        f"{figures['nvme_load_loop_us']:.0f} us on the loop"
     )
+    small = min(got["loads"], key=lambda r: (r["size"], r["batch"]))
+    queued = [q for q in got["loads_inflight"] if (q["size"], q["batch"]) == (small["size"], small["batch"])]
+    if fio_gbps and queued:
+        r.notes.append(
+            f"{_label(int(small['size']))} x {int(small['batch'])}: {small['GBps'] / fio_gbps:.2f}x fio one "
+            f"call at a time, {queued[0]['GBps'] / fio_gbps:.2f}x with {int(queued[0]['inflight'])} in flight"
+        )
     return r

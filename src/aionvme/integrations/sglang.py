@@ -158,6 +158,7 @@ class AionvmeHiCache(HiCacheStorage):  # type: ignore[misc]  # SGLang's class is
             persist=bool(extra.get("persist", False)),
             on_full="evict",
             checksum=True,
+            evicted_max=0,  # SGLang hears of no drops: keep no list of them
         )
         self._metrics_on = bool(storage_config.enable_storage_metrics)
         self._mlock = threading.Lock()

@@ -190,6 +190,10 @@ class AionvmeTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM's class i
         self._pinned.setdefault(req_context.req_id, set()).add(key)
         return LookupResult.HIT
 
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Chunks vLLM used again: the last to be dropped when the tier is full."""
+        self.store.touch(list(keys))
+
     def on_request_finished(self, req_context: ReqContext) -> None:
         keys = self._pinned.pop(req_context.req_id, None)
         if keys:

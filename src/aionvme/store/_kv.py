@@ -17,10 +17,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
+import functools
 import os
 import threading
+import types
 from collections.abc import Callable, Coroutine, Hashable, Iterable
-from typing import Any, TypeVar
+from typing import Any
 
 from ._alloc import ALIGN, round_up
 from ._errors import StoreClosedError, StorePinError
@@ -30,8 +33,6 @@ from ._policy import Admission
 from ._tiers import Entry
 
 __all__ = ["Evictor", "Jobs", "PinTable", "cache_capacity", "key_list"]
-
-T = TypeVar("T")
 
 
 # Part of each slab kept for the filesystem's own blocks of the file, which
@@ -76,14 +77,23 @@ class PinTable:
     cache-mode eviction dropped since ``drain``."""
 
     def __init__(
-        self, mover: Mover, index: dict[Hashable, Entry], loop: Callable[[], asyncio.AbstractEventLoop | None]
+        self,
+        mover: Mover,
+        index: dict[Hashable, Entry],
+        loop: Callable[[], asyncio.AbstractEventLoop | None],
+        evicted_max: int | None = None,
     ) -> None:
+        if evicted_max is not None and (not isinstance(evicted_max, int) or evicted_max < 0):
+            raise ValueError(f"evicted_max must be an int >= 0 or None, got {evicted_max!r}")
         self.mover = mover
         self.lock = mover.pin_lock
         self.index = index
         self.loop = loop
         self.by_key: dict[Hashable, list[Entry]] = {}
-        self.evicted: list[Hashable] = []
+        # the keys eviction dropped, to drain: the newest evicted_max (the
+        # oldest go first, counted in evicted_lost)
+        self.evicted: collections.deque[Hashable] = collections.deque(maxlen=evicted_max)
+        self.evicted_lost = 0
         mover.handover = self.handover
 
     def handover(self, old: Entry, new: Entry) -> None:
@@ -167,11 +177,15 @@ class PinTable:
 
     def note_evicted(self, keys: list[Hashable]) -> None:
         with self.lock:
+            cap = self.evicted.maxlen
+            if cap is not None:
+                self.evicted_lost += max(0, len(self.evicted) + len(keys) - cap)
             self.evicted.extend(keys)
 
     def drain(self) -> list[Hashable]:
         with self.lock:
-            out, self.evicted = self.evicted, []
+            out = list(self.evicted)
+            self.evicted.clear()
         return out
 
 
@@ -281,17 +295,29 @@ class Evictor:
 
 class Jobs:
     """Calls submitted from other threads (``submit_put_many``,
-    ``submit_get_many``): each runs on the store's loop and completes a
-    ``concurrent.futures.Future``; then 1 is added to the eventfd of
-    :meth:`fd` (made on first use), so a caller polls one fd and collects its
-    finished futures. :meth:`close` (at the store's close) refuses new jobs and
-    waits for those submitted: they finish, or fail with StoreClosedError
-    where they had not started."""
+    ``submit_get_many``): each completes a ``concurrent.futures.Future``
+    on the store's loop; then 1 is added to the eventfd of :meth:`fd` (made
+    on first use), so a caller polls one fd and collects its finished futures.
+
+    A submit appends ``(future, fn, args)`` to a list and, when the list was
+    empty, wakes the loop once: one wake-up (and one callback, :meth:`_drain`)
+    serves every job submitted until it runs. There ``fn(*args)`` either
+    returns the job's result (a hit in host memory, copied on the loop's
+    thread, no coroutine) or a coroutine, run as a task that completes the
+    future itself: no ``run_coroutine_threadsafe`` chain, no extra loop
+    iteration between the job's end and its future.
+
+    Cancelling a future before its job starts skips the job; while it runs,
+    cancels its task. :meth:`close` (at the store's close) refuses new jobs
+    and waits for those submitted: they finish, or fail with
+    StoreClosedError where they had not started. Each job, whatever its end,
+    adds 1 to the eventfd once, after its future is done."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.closed = False
-        self.futures: set[concurrent.futures.Future[Any]] = set()
+        self.futures: set[concurrent.futures.Future[Any]] = set()  # submitted, not done
+        self.queue: list[tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...]]] = []
         self._fd = -1
         self.pid = os.getpid()  # a forked child's jobs would wait for a loop that is not there
 
@@ -304,21 +330,79 @@ class Jobs:
             return self._fd
 
     def submit(
-        self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]
-    ) -> concurrent.futures.Future[T]:
+        self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any
+    ) -> concurrent.futures.Future[Any]:
+        """Run ``fn(*args)`` on ``loop`` (a result, or a coroutine whose
+        result it is); its outcome arrives on the returned future."""
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self.lock:
             if self.closed or loop.is_closed() or os.getpid() != self.pid:
-                coro.close()
                 why = "the store is closed" if self.closed else "the store's event loop is closed"
                 if os.getpid() != self.pid:
                     why = "the store belongs to the parent process (fork)"
                 raise StoreClosedError(why)
-            fut = asyncio.run_coroutine_threadsafe(coro, loop)
+            if not self.queue:
+                try:
+                    loop.call_soon_threadsafe(self._drain, loop)
+                except RuntimeError as e:  # closed since the check above
+                    raise StoreClosedError("the store's event loop is closed") from e
+            self.queue.append((fut, fn, args))
             self.futures.add(fut)
-        fut.add_done_callback(self._done)  # runs on the loop's thread (or here, if done already)
         return fut
 
-    def _done(self, fut: concurrent.futures.Future[Any]) -> None:
+    def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start every job submitted since the last drain (on the loop's thread)."""
+        with self.lock:
+            jobs, self.queue = self.queue, []
+            closed = self.closed
+        for i, (fut, fn, args) in enumerate(jobs):
+            if fut.cancelled():
+                self._finish(fut, None, None)
+                continue
+            if closed:
+                self._finish(fut, None, StoreClosedError("the store was closed before this job started"))
+                continue
+            try:
+                r = fn(*args)
+            except BaseException as e:  # the job's own error: on its future
+                self._finish(fut, None, e)
+                if isinstance(e, Exception):
+                    continue
+                # KeyboardInterrupt, SystemExit: the loop's to raise; the jobs
+                # after this one run at the next drain
+                with self.lock:
+                    if not self.queue:
+                        loop.call_soon(self._drain, loop)
+                    self.queue[:0] = jobs[i + 1 :]
+                raise
+            if type(r) is not types.CoroutineType:
+                self._finish(fut, r, None)
+                continue
+            task = loop.create_task(self._run(fut, r))
+            fut.add_done_callback(functools.partial(_cancel_from, loop, task))
+
+    async def _run(self, fut: concurrent.futures.Future[Any], coro: Coroutine[Any, Any, Any]) -> None:
+        try:
+            r = await coro
+        except asyncio.CancelledError:
+            fut.cancel()
+            self._finish(fut, None, None)
+            raise
+        except BaseException as e:
+            self._finish(fut, None, e)
+            if not isinstance(e, Exception):
+                raise  # KeyboardInterrupt, SystemExit: the loop's too
+        else:
+            self._finish(fut, r, None)
+
+    def _finish(self, fut: concurrent.futures.Future[Any], result: Any, err: BaseException | None) -> None:
+        """The job's outcome on its future (unless cancelled), then 1 on the eventfd."""
+        if not fut.done():
+            with contextlib.suppress(concurrent.futures.InvalidStateError):  # cancelled meanwhile
+                if err is None:
+                    fut.set_result(result)
+                else:
+                    fut.set_exception(err)
         with self.lock:
             self.futures.discard(fut)
             if self._fd >= 0:
@@ -337,3 +421,12 @@ class Jobs:
             fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)
+
+
+def _cancel_from(
+    loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any], fut: concurrent.futures.Future[Any]
+) -> None:
+    """A job's future was cancelled while its task runs: cancel the task (on its loop)."""
+    if fut.cancelled() and not task.done():
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the task is gone with it
+            loop.call_soon_threadsafe(task.cancel)

@@ -10,11 +10,14 @@ import concurrent.futures
 from collections.abc import Callable, Coroutine, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from ._errors import StoreClosedError
 from ._kv import Evictor, Jobs, PinTable, key_list
+from ._memtier import GpuTier, HostTier
 from ._reads import Reads
-from ._tiers import Entry
-from ._values import check_out
+from ._tiers import HOST, Entry
+from ._values import check_out, is_cuda
 
 __all__ = ["KVCalls"]
 
@@ -22,11 +25,16 @@ __all__ = ["KVCalls"]
 # millisecond of memcpy here): a batch of large hits never stalls the loop
 YIELD_EVERY = 4 << 20
 
+GET_KWARGS = frozenset({"device", "out", "missing", "timeout"})  # get_many's, after the keys
+
 
 class KVCalls:
     """Part of :class:`TieredStore` (its attributes are the store's)."""
 
     _index: dict[Hashable, Entry]
+    _closed: bool
+    _host: HostTier
+    _gpu: GpuTier | None
     _loop: asyncio.AbstractEventLoop | None
     _home: asyncio.AbstractEventLoop | None
     _pins: PinTable
@@ -34,6 +42,7 @@ class KVCalls:
     _evictor: Evictor | None
     _reads: Reads
 
+    _enter: Callable[[], asyncio.AbstractEventLoop]
     put_many: Callable[..., Coroutine[Any, Any, None]]
     get_many: Callable[..., Coroutine[Any, Any, list[Any]]]
 
@@ -67,9 +76,51 @@ class KVCalls:
         self._pins.unpin(key_list(keys, "unpin"))
 
     def drain_evicted(self) -> list[Hashable]:
-        """The keys cache-mode eviction dropped since the last call (thread-safe;
-        not those deleted by the user)."""
+        """The keys cache-mode eviction dropped since the last call, oldest
+        first (thread-safe; not those deleted by the user). The store keeps
+        the newest ``evicted_max`` of them (a TieredStore argument, 65536 by
+        default): drain often, or the oldest are forgotten, counted by
+        :attr:`evicted_lost`."""
         return self._pins.drain()
+
+    @property
+    def evicted_lost(self) -> int:
+        """Dropped keys that :meth:`drain_evicted` will never list: forgotten
+        because more than ``evicted_max`` piled up between two drains (a
+        count since the store opened)."""
+        return self._pins.evicted_lost
+
+    def touch(self, keys: Iterable[Hashable]) -> None:
+        """Mark the keys as just used, as a get would, without reading them:
+        cache mode's drop order (``on_full="evict"``) and the host and GPU
+        tiers' eviction policies see them as the most recent. Absent keys are
+        ignored. From any thread, without waiting: applied on the store's
+        loop, before any job submitted after this call starts."""
+        ks = key_list(keys, "touch")
+        if self._closed:
+            raise StoreClosedError("the store is closed")
+        loop = self._loop or self._home
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if loop is None or loop is here:  # no loop yet (nothing runs concurrently), or on it
+            self._touch_now(ks)
+            return
+        try:
+            loop.call_soon_threadsafe(self._touch_now, ks)
+        except RuntimeError as e:
+            raise StoreClosedError("the store's event loop is closed") from e
+
+    def _touch_now(self, keys: list[Hashable]) -> None:
+        index = self._index
+        live = [index[k] for k in keys if k in index]
+        if self._evictor is not None:
+            self._evictor.touch(e.key for e in live)
+        for e in live:
+            self._host.touch(e)
+            if self._gpu is not None:
+                self._gpu.touch(e)
 
     def _job_loop(self) -> asyncio.AbstractEventLoop:
         loop = self._loop or self._home
@@ -84,14 +135,75 @@ class KVCalls:
         """:meth:`put_many` (``to=``, ``timeout=``) from any thread: it runs on
         the store's loop; its result (None) or error arrives on the returned
         future, and then 1 is added to :meth:`completion_fd`."""
-        return self._jobs.submit(self._job_loop(), self.put_many(dict(items), **kw))
+        return self._jobs.submit(self._job_loop(), self._put_job, dict(items), kw)
 
     def submit_get_many(self, keys: Iterable[Hashable], **kw: Any) -> concurrent.futures.Future[list[Any]]:
         """:meth:`get_many` (``device=``, ``out=``, ``missing=``,
-        ``timeout=``) from any thread, as :meth:`submit_put_many`."""
+        ``timeout=``) from any thread, as :meth:`submit_put_many`. Hits in
+        host memory are copied on the loop's thread in the callback that
+        starts the job (no coroutine), when the call copies under 4 MiB."""
+        bad = kw.keys() - GET_KWARGS
+        if bad:  # (a host hit never reaches get_many, which would refuse them)
+            raise TypeError(f"submit_get_many() got unexpected keyword arguments {sorted(bad)}")
         if kw.get("out") is not None:
             kw["out"] = list(kw["out"])
-        return self._jobs.submit(self._job_loop(), self.get_many(list(keys), **kw))
+        return self._jobs.submit(self._job_loop(), self._get_job, list(keys), kw)
+
+    def _put_job(self, items: dict[Any, Any], kw: dict[str, Any]) -> Coroutine[Any, Any, None]:
+        return self.put_many(items, **kw)
+
+    def _get_job(self, keys: list[Hashable], kw: dict[str, Any]) -> Any:
+        """A submitted get_many on the loop's thread: its result if every key
+        is a host hit (or absent, with missing='skip'), else its coroutine."""
+        got = self._hits_now(keys, kw.get("device", "cpu"), kw.get("out"), kw.get("missing", "raise"))
+        return self.get_many(keys, **kw) if got is None else got
+
+    def _hits_now(self, keys: list[Hashable], device: str, out: Sequence[Any] | None, missing: str) -> Any:
+        """get_many's result where every key is in the host tier (or absent,
+        with missing='skip') and the copies are small (under YIELD_EVERY in
+        all, each under copy_threshold, into CPU memory): copied now, with no
+        suspension (so no pins needed); None, having done nothing, otherwise
+        (get_many then serves the call, and raises what it raises)."""
+        if device != "cpu" or missing not in ("raise", "skip") or (out is not None and len(out) != len(keys)):
+            return None
+        skip = missing == "skip"
+        index = self._index
+        limit = self._reads.mover.copy_threshold
+        entries: list[Entry | None] = []
+        total = 0
+        for i, k in enumerate(keys):
+            e = index.get(k)
+            if e is None:
+                if not skip:
+                    return None
+                entries.append(None)
+                continue
+            c = e.copies.get(HOST)
+            n = e.meta.nbytes
+            if c is None or c.where is None or n == 0 or n >= limit:
+                return None
+            if out is not None and not isinstance(out[i], np.ndarray) and is_cuda(out[i]):
+                return None
+            total += n
+            entries.append(e)
+        if total >= YIELD_EVERY:
+            return None
+        self._enter()  # a closed store raises; binds the loop like any call
+        if out is not None:
+            for d, e in zip(out, entries):
+                if e is not None:
+                    check_out(d, e.meta)  # every buffer checked before any is filled
+        if self._evictor is not None:
+            self._evictor.touch(k for k, e in zip(keys, entries) if e is not None)
+        hit_now = self._reads.hit_now
+        res: list[Any] = []
+        for i, e in enumerate(entries):
+            if e is None:
+                res.append(False if out is not None else None)
+                continue
+            v = hit_now(e, None if out is None else out[i])
+            res.append(True if skip and out is not None else v)
+        return res
 
     def completion_fd(self) -> int:
         """An eventfd (EFD_NONBLOCK) to which 1 is added each time a submitted

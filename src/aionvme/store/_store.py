@@ -94,8 +94,9 @@ class TieredStore(KVCalls):
         get) that nobody pins, reads or holds, from every tier, until it fits
         (needs ``nvme=``, which then bounds the slabs' disk use: they hold
         1/256 less, room for the filesystem's own blocks of them). Dropped
-        keys are listed by :meth:`drain_evicted`; with ``persist=True`` each
-        drop is journaled as a delete. A value larger than the tier raises.
+        keys are listed by :meth:`drain_evicted` (the newest ``evicted_max``,
+        65536 by default, None: all); with ``persist=True`` each drop is
+        journaled as a delete. A value larger than the tier raises.
 
     Notes
     -----
@@ -148,6 +149,7 @@ class TieredStore(KVCalls):
         recover: bool = False,
         mode: int = 0o600,
         on_full: str = "raise",
+        evicted_max: int | None = 1 << 16,
     ) -> None:
         paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
         if not paths:
@@ -195,7 +197,7 @@ class TieredStore(KVCalls):
         )
         self._compactor = Compactor(self._mover, self._index, self._klocks, self._journal, self.persist)
         self._nvme.compactor = self._compactor.run
-        self._pins = PinTable(self._mover, self._index, lambda: self._loop)
+        self._pins = PinTable(self._mover, self._index, lambda: self._loop, evicted_max)
         self._jobs = Jobs()
         kv = (self._mover, self._index, self._klocks, self._journal, self._pins, self.admission)
         self._evictor = Evictor(*kv) if on_full == "evict" else None

@@ -27,7 +27,7 @@ class SyncTieredStore:
     ``with``), ``stats``, ``keys``, ``where``, ``in``, ``len``, ``close`` (or
     ``with``). Safe to call from several threads at once. The KV-tier calls
     of TieredStore work from any thread without waiting for the loop:
-    ``pin``, ``unpin``, ``drain_evicted``, ``count_prefix``, ``contains``,
+    ``pin``, ``unpin``, ``touch``, ``drain_evicted``, ``count_prefix``, ``contains``,
     ``submit_put_many``, ``submit_get_many`` (futures), ``completion_fd``. ``store.aio`` is the
     TieredStore itself, for coroutines run on ``store.loop``.
 
@@ -48,6 +48,7 @@ class SyncTieredStore:
         self.pin = self.aio.pin
         self.unpin = self.aio.unpin
         self.drain_evicted = self.aio.drain_evicted
+        self.touch = self.aio.touch
         self.count_prefix = self.aio.count_prefix
         self.contains = self.aio.contains
         self.submit_put_many = self.aio.submit_put_many
@@ -125,6 +126,11 @@ class SyncTieredStore:
 
     def where(self, key: Hashable) -> list[str]:
         return self._run(_call(self.aio.where, key))
+
+    @property
+    def evicted_lost(self) -> int:
+        """:attr:`TieredStore.evicted_lost`."""
+        return self.aio.evicted_lost
 
     def __contains__(self, key: object) -> bool:
         return key in self.aio  # thread-safe without the loop (see TieredStore.contains)
