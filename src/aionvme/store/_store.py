@@ -94,9 +94,8 @@ class TieredStore(KVCalls):
         get) that nobody pins, reads or holds, from every tier, until it fits
         (needs ``nvme=``, which then bounds the slabs' disk use: they hold
         1/256 less, room for the filesystem's own blocks of them). Dropped
-        keys are listed by :meth:`drain_evicted` (the newest ``evicted_max``,
-        65536 by default, None: all); with ``persist=True`` each drop is
-        journaled as a delete. A value larger than the tier raises.
+        keys are listed by :meth:`drain_evicted` (the newest ``evicted_max``, 65536
+        by default, None: all); with ``persist=True`` each drop is journaled as a delete.
 
     Notes
     -----
