@@ -29,7 +29,7 @@ from .._runtime.background import background
 from ..file import File
 from ..memory import empty
 from ._common import METADATA, PAGE, SUFFIX, align_up
-from ._dist import CheckpointMissingError, CheckpointPeerError, Topology, group
+from ._dist import CheckpointMissingError, CheckpointPeerError, Topology, group, populate
 
 __all__ = ["Peers"]
 
@@ -173,6 +173,7 @@ class Peers:
         for i, (server, _, _, n) in enumerate(mine):
             got.append(buf[pos : pos + n])
             if n:
+                populate(got[-1])  # faulted in before it lands, not inside gloo's socket copy
                 works.append(dist.irecv(_u8(got[-1]), server, group=grp, tag=i))
             pos += n
         by_file: dict[str, list[tuple[int, int, Range]]] = defaultdict(list)
