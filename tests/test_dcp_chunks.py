@@ -5,14 +5,17 @@ chunk size made small (64 KiB), a replicas=2 save sends each rank's file in
 many more chunks than the receiver's ring has buffers, so buffers are reused
 while earlier chunks are still being written: the copy on the other node is
 bitwise the sender's file, and the state loads bitwise from either node
-alone. A sender that dies after a few chunks makes the receiver raise
+alone; once node 0's directory is gone, rank 0's records come from rank 1
+in many chunks, bitwise. A sender that dies after a few chunks makes the receiver raise
 CheckpointPeerError (the subprocess timeout bounds it: no hang).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -43,12 +46,12 @@ def _worker(scenario: str, rank: int, port: str, base: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     import aionvme.dcp
-    from aionvme.dcp import _dist, _writer
+    from aionvme.dcp import _dist, _fetch, _writer
     from aionvme.dcp._common import run
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, GROUP_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    _dist.CHUNK = SMALL_CHUNK
+    _dist.CHUNK = _fetch.CHUNK = SMALL_CHUNK
     out: dict[str, object] = {}
     if scenario == "chunks":
         seen: list[int] = []
@@ -69,6 +72,29 @@ def _worker(scenario: str, rank: int, port: str, base: str) -> None:
             dcp.load(got, storage_reader=aionvme.dcp.Reader(f"{base}/node{node}"), no_dist=True)
             want = {k: v for r in (0, 1) for k, v in _state(r).items()}
             out[f"node{node}_equal"] = all(torch.equal(got[k], v) for k, v in want.items())
+        # node 0 is lost: rank 0 fetches every record from rank 1, in chunks
+        served: list[int] = []
+        real_serve = _fetch._serve
+
+        async def serve(path: str, chunks: list) -> object:
+            served.append(len(chunks))
+            return await real_serve(path, chunks)
+
+        _fetch._serve = serve  # type: ignore[assignment]
+        dist.barrier()
+        if rank == 0:  # its copies, to compare with node 1's files
+            names = [n for n in os.listdir(f"{base}/node0") if n.endswith(".distcp")]
+            digests = {n: hashlib.sha256(Path(f"{base}/node0/{n}").read_bytes()).hexdigest() for n in names}
+            Path(f"{base}/node0.json").write_text(json.dumps(digests))
+            shutil.rmtree(f"{base}/node0")
+            os.makedirs(f"{base}/node0")
+        dist.barrier()
+        mine = {k: torch.zeros_like(v) for k, v in _state(rank).items()}
+        rd = aionvme.dcp.Reader(f"{base}/node{rank}")
+        dcp.load(mine, storage_reader=rd)
+        out["lost_equal"] = all(torch.equal(mine[k], v) for k, v in _state(rank).items())
+        out["served"] = served
+        out["peer_bytes"] = rd.stats["peer_bytes"]
     elif scenario == "lost":
         if rank == 1:  # announce a 4 MiB file, send 3 of its 64 chunks, die
             blob = torch.ones(4 << 20, dtype=torch.uint8)
@@ -121,9 +147,12 @@ def test_replica_sent_in_more_chunks_than_the_ring_is_bitwise_the_senders_file(t
     for r in res:
         assert len(r["chunks"]) == 1 and r["chunks"][0] > 8, r  # > 2x the ring's 4 buffers
         assert r["node0_equal"] and r["node1_equal"], r
-    n0 = {p.name: p.read_bytes() for p in (tmp_path / "node0").glob("*.distcp")}
-    n1 = {p.name: p.read_bytes() for p in (tmp_path / "node1").glob("*.distcp")}
-    assert len(n0) == 2 and n0 == n1  # every file on both nodes, the same bytes
+    assert res[0]["lost_equal"] and res[1]["lost_equal"], res
+    assert res[0]["peer_bytes"] > 0 and res[1]["peer_bytes"] == 0, res
+    assert res[1]["served"][0] > 8, res  # rank 0's records went out in many chunks
+    n1 = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (tmp_path / "node1").glob("*.distcp")}
+    n0 = json.loads((tmp_path / "node0.json").read_text())
+    assert len(n1) == 2 and n0 == n1  # every file on both nodes, the same bytes
 
 
 def test_a_sender_lost_mid_file_raises_checkpoint_peer_error(tmp_path: Path) -> None:
