@@ -228,7 +228,11 @@ class Peers:
                 w.wait()
         except RuntimeError as e:  # gloo: a peer's connection closed, or timed out
             err = CheckpointPeerError(errno.ECONNRESET, f"a rank stopped sending what this load fetches: {e}")
-        served, unread = serving.result()
+        try:
+            served, unread = serving.result()
+        except RuntimeError as e:  # gloo: a rank this one serves is gone
+            lost = f"a rank stopped receiving what this one serves: {e}"
+            raise CheckpointPeerError(errno.ECONNRESET, lost) from e
         err = err or unread
         status: list[Any] = [None] * len(topo.nodes)
         dist.all_gather_object(status, None if err is None else f"{type(err).__name__}: {err}", group=grp)
