@@ -14,22 +14,23 @@ its own directory.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import hashlib
 import os
 import pickle
-from collections import defaultdict
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from .._runtime.background import background
 from ..file import File
-from ..memory import empty
-from ._common import METADATA, PAGE, SUFFIX, align_up
-from ._dist import CheckpointMissingError, CheckpointPeerError, Topology, group
+from ..memory import AlignedBuffer, empty
+from ._common import METADATA, PAGE, SUFFIX
+from ._dist import CHUNK, CheckpointMissingError, CheckpointPeerError, Topology, group, populate
 
 __all__ = ["Peers"]
 
@@ -40,24 +41,63 @@ def _u8(mem: Any) -> torch.Tensor:
     return torch.frombuffer(mem, dtype=torch.uint8)
 
 
-async def _read_ranges(path: str, ranges: list[Range]) -> list[memoryview]:
-    """The bytes of ``ranges`` of files in ``path``, one batched request per
-    file, each range read from the page boundary before it into page-aligned
-    memory (so the aligned middle goes with O_DIRECT)."""
-    place, total = [], 0
-    for _, off, n in ranges:
-        first = off // PAGE * PAGE
-        place.append((total, first, off + n - first))
-        total += align_up(off + n - first)
-    mem = memoryview(empty(max(total, PAGE)))
-    by_file: dict[str, list[tuple[Any, int]]] = defaultdict(list)
-    for (name, _, _), (p, first, size) in zip(ranges, place):
-        by_file[name].append((mem[p : p + size], first))
-    for name, batch in by_file.items():
-        with File(os.path.join(path, name), "r") as f:
-            batch.sort(key=lambda it: it[1])
-            await f.pread_many(batch)
-    return [mem[p + off - first : p + off - first + n] for (_, off, n), (p, first, _) in zip(ranges, place)]
+# Served records go out in chunks of CHUNK bytes read into a ring of this
+# many recycled buffers (aionvme.memory's pool): a slot is read into again
+# once its chunk has been sent, so serving needs no memory the size of what
+# it serves (fresh memory faults in at 1-5 s/GiB on a VM whose guest has
+# returned it to the host) and the reads go on while earlier chunks travel.
+_RING = 4
+
+
+def _tags(reqs: list[Any]) -> list[int]:
+    """The first chunk's tag of each request (server, name, offset, length)
+    of one rank: its chunks are numbered in request order."""
+    out, t = [], 0
+    for *_, n in reqs:
+        out.append(t)
+        t += (n + CHUNK - 1) // CHUNK
+    return out
+
+
+async def _serve(path: str, chunks: list[tuple[int, int, str, int, int]]) -> tuple[int, BaseException | None]:
+    """Read and send each (rank, tag, file, offset, length) chunk in turn,
+    from the page boundary before it into a ring slot (so the aligned
+    middle goes with O_DIRECT). Every chunk is sent whatever failed (zeros
+    for what could not be read); returns (bytes sent, first error)."""
+    grp = group()
+    ring = [
+        np.frombuffer(memoryview(AlignedBuffer(CHUNK + PAGE, recycle=True)), np.uint8) for _ in range(_RING)
+    ]
+    sends: list[Any] = [None] * _RING
+    files: dict[str, File] = {}
+    err: BaseException | None = None
+    sent = 0
+    try:
+        for k, (r, tag, name, off, n) in enumerate(chunks):
+            slot = k % _RING
+            if sends[slot] is not None:
+                await asyncio.to_thread(sends[slot].wait)
+                sends[slot] = None
+            first = off // PAGE * PAGE
+            mem = ring[slot][: off + n - first]
+            try:
+                if err is not None:
+                    raise err
+                if name not in files:
+                    files[name] = File(os.path.join(path, name), "r")
+                await files[name].pread(mem, first)
+            except Exception as e:
+                err = err or e
+                mem[:] = 0
+            sends[slot] = dist.isend(_u8(mem[off - first :]), r, group=grp, tag=tag)
+            sent += n
+        for w in sends:
+            if w is not None:
+                await asyncio.to_thread(w.wait)
+    finally:
+        for f in files.values():
+            f.close()
+    return sent, err
 
 
 def _describe(raw: bytes) -> tuple[str, str, list[str]] | None:
@@ -155,48 +195,45 @@ class Peers:
         mine = [(self._server(name, order), name, off, n) for name, off, n in wanted]
         asked: list[Any] = [None] * len(topo.nodes)
         dist.all_gather_object(asked, mine, group=group())
-        serve = [
-            (r, i, (name, off, n))
-            for r, reqs in enumerate(asked)
-            for i, (server, name, off, n) in enumerate(reqs)
-            if server == topo.rank
-        ]
         # Every receive is posted first, every send is made whatever failed
         # (zeros for what could not be read), so no rank waits for ever; the
         # outcome is agreed on afterwards and all raise if a read failed.
+        # Records travel in chunks of at most CHUNK bytes, tagged in the
+        # order of the receiver's requests.
         grp = group()
         total = sum(n for _, _, _, n in mine)
         buf = memoryview(empty(max(total, 1)))
         got: list[memoryview] = []
         works: list[Any] = []
         pos = 0
-        for i, (server, _, _, n) in enumerate(mine):
+        for (server, _, _, n), tag in zip(mine, _tags(mine)):
             got.append(buf[pos : pos + n])
-            if n:
-                works.append(dist.irecv(_u8(got[-1]), server, group=grp, tag=i))
+            for j in range(0, n, CHUNK):
+                piece = got[-1][j : j + CHUNK]
+                populate(piece)  # faulted in before it lands, not inside gloo's socket copy
+                works.append(dist.irecv(_u8(piece), server, group=grp, tag=tag + j // CHUNK))
             pos += n
-        by_file: dict[str, list[tuple[int, int, Range]]] = defaultdict(list)
-        for r, i, rng in serve:
-            by_file[rng[0]].append((r, i, rng))
-        bg = background()
-        reads = [
-            (items, bg.submit(_read_ranges(self.path, [rng for _, _, rng in items])))
-            for items in by_file.values()
-        ]
+        chunks: list[tuple[int, int, str, int, int]] = []
+        for r, reqs in enumerate(asked):
+            for (server, name, off, n), tag in zip(reqs, _tags(reqs)):
+                if server == topo.rank:
+                    chunks += [
+                        (r, tag + j // CHUNK, name, off + j, min(CHUNK, n - j)) for j in range(0, n, CHUNK)
+                    ]
+        chunks.sort(key=lambda c: (c[2], c[3]))  # each file's chunks in file order
+        serving = background().submit(_serve(self.path, chunks))
         err: BaseException | None = None
-        served = 0
-        for items, fut in reads:  # each file's ranges go out as soon as they are read
-            try:
-                mems = fut.result()
-            except Exception as e:
-                err = err or e
-                mems = [memoryview(bytearray(rng[2])) for _, _, rng in items]
-            for (r, i, _), mem in zip(items, mems):
-                if len(mem):
-                    works.append(dist.isend(_u8(mem), r, group=grp, tag=i))
-                    served += len(mem)
-        for w in works:
-            w.wait()
+        try:
+            for w in works:
+                w.wait()
+        except RuntimeError as e:  # gloo: a peer's connection closed, or timed out
+            err = CheckpointPeerError(errno.ECONNRESET, f"a rank stopped sending what this load fetches: {e}")
+        try:
+            served, unread = serving.result()
+        except RuntimeError as e:  # gloo: a rank this one serves is gone
+            lost = f"a rank stopped receiving what this one serves: {e}"
+            raise CheckpointPeerError(errno.ECONNRESET, lost) from e
+        err = err or unread
         status: list[Any] = [None] * len(topo.nodes)
         dist.all_gather_object(status, None if err is None else f"{type(err).__name__}: {err}", group=grp)
         if err is not None:

@@ -51,9 +51,20 @@ from .. import defaults
 from .._runtime.background import background
 from ..atomic import atomic_write, fsync_dir
 from ..file import File
-from ..memory import empty
+from ..memory import AlignedBuffer, empty
 from ._common import METADATA, PAGE, SUFFIX, run
-from ._dist import CheckpointPeerError, SaveLock, Topology, distributed, group, recv_file, send_file
+from ._dist import (
+    CHUNK,
+    CheckpointPeerError,
+    Incoming,
+    SaveLock,
+    Topology,
+    distributed,
+    group,
+    recv_head,
+    send_file,
+    send_head,
+)
 from ._record import template
 from ._stage import Stager, small_pages
 
@@ -212,28 +223,58 @@ async def _write_file(path: str, items: list[tuple[Any, int]], length: int, sync
         f.close()
 
 
-async def _write_received(
-    path: str, buf: np.ndarray, length: int, pieces: list[tuple[Any, int, int]], sync: bool
-) -> None:
-    """Write a file received from a peer piece by piece, each as soon as it
-    has arrived (pieces are whole pages at page offsets, as the sender's own
-    writes: the copy is the same file)."""
-    f = File(path, "x", block_size=defaults.bulk_write_block())
+# Chunks of a received file in flight per sender: one arriving while the
+# others are written. The buffers are recycled mappings (aionvme.memory's
+# pool): the next save's receives reuse memory already faulted in, where a
+# buffer the size of the file would fault in fresh pages, 1-5 s/GiB on a VM
+# whose guest has returned them to the host.
+_RING = 4
+
+
+async def _write_received(path: str, inc: Incoming, sync: bool) -> None:
+    """Receive a file from a peer chunk by chunk into a small ring of
+    buffers, writing each chunk as soon as it has arrived while the next
+    ones come (chunks are whole pages at page offsets, as the sender's own
+    writes: the copy is the same file). Every chunk is received even when
+    this file cannot be written, so the sender never waits for ever; a lost
+    sender raises and ends the receive."""
+    f: File | None = None
+    err: BaseException | None = None
     try:
-        writes = []
-        for work, off, size in pieces:
-            await asyncio.to_thread(work.wait)
-            writes.append(asyncio.ensure_future(f.pwrite(buf[off : off + size], off)))
-        try:
-            await asyncio.gather(*writes)
-        except BaseException:
-            await asyncio.gather(*writes, return_exceptions=True)  # none left writing from buf
-            raise
-        f.truncate(length)
-        if sync:
-            await f.fsync()
+        f = File(path, "x", block_size=defaults.bulk_write_block())
+    except OSError as e:
+        err = e
+    ring = [np.frombuffer(memoryview(AlignedBuffer(CHUNK, recycle=True)), np.uint8) for _ in range(_RING)]
+    writes: list[Any] = [None] * _RING
+    failed: BaseException | None = None
+    try:
+        for i, (off, _) in enumerate(inc.chunks):
+            slot = i % _RING
+            if writes[slot] is not None:  # its buffer is free again once its write is done
+                try:
+                    await writes[slot]
+                except Exception as e:
+                    failed = failed or e
+                writes[slot] = None
+            got = await asyncio.to_thread(inc.receive, i, ring[slot])
+            if f is not None and failed is None and len(got):
+                writes[slot] = asyncio.ensure_future(f.pwrite(got, off))
     finally:
-        f.close()
+        live = [w for w in writes if w is not None]
+        done = await asyncio.gather(*live, return_exceptions=True)  # none left writing from the ring
+        try:
+            failed = failed or next((r for r in done if isinstance(r, BaseException)), None)
+            if err is None and failed is None and f is not None:
+                f.truncate(inc.length)
+                if sync:
+                    await f.fsync()
+        finally:
+            if f is not None:
+                f.close()
+    if err is not None:
+        raise err
+    if failed is not None:
+        raise failed
 
 
 def write_replicated(
@@ -242,8 +283,10 @@ def write_replicated(
     """Write this rank's file (``layout``; None when building it failed)
     into ``path`` while its bytes go to the ranks keeping its replicas, and
     write the files received from the ranks whose replicas this rank keeps
-    (each under its sender's name). Every send and receive is made whatever
-    failed, so no peer waits for ever; returns the first error (or None)."""
+    (each under its sender's name, chunk by chunk as they land). Every
+    header goes out before any is awaited, and every send and receive is
+    made whatever failed, so no peer waits for ever; returns the first error
+    (or None)."""
     err: BaseException | None = None
     bg = background()
     items = _items(layout) if layout is not None else None
@@ -251,19 +294,25 @@ def write_replicated(
     if layout is not None and items is not None:
         local = bg.submit(_write_file(os.path.join(path, layout.relative_path), items, layout.pos, sync))
     copies = []
+    works: list[Any] = []
+    targets = topo.targets(topo.rank, replicas)
     try:
-        works = []
-        for dst in topo.targets(topo.rank, replicas):
-            works += send_file(items, layout.pos if layout is not None else 0, dst)
-        for src in topo.sources(topo.rank, replicas):
-            got = recv_file(src)
-            if got is not None:
-                name = os.path.join(path, f"__{src}_{token}_0{SUFFIX}")
-                copies.append(bg.submit(_write_received(name, *got, sync)))
+        for dst in targets:
+            works += send_head(items, layout.pos if layout is not None else 0, dst)
+        incoming = [recv_head(src) for src in topo.sources(topo.rank, replicas)]
+    except Exception as e:
+        err, incoming = e, []
+    try:
+        for dst in targets:
+            works += send_file(items, dst)
+        for inc in incoming:
+            if inc is not None:
+                name = os.path.join(path, f"__{inc.src}_{token}_0{SUFFIX}")
+                copies.append(bg.submit(_write_received(name, inc, sync)))
         for w in works:
             w.wait()
     except Exception as e:
-        err = e
+        err = err or e
     for fut in ([local] if local is not None else []) + copies:
         try:
             fut.result()
