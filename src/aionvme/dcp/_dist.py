@@ -19,8 +19,6 @@ bytes are host memory).
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import dataclasses
 import errno
 import fcntl
@@ -32,6 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .. import memory
 from ..exceptions import AionvmeError
 from ._common import PAGE, align_up
 
@@ -237,33 +236,17 @@ def _u8(buf: np.ndarray) -> torch.Tensor:
 # each chunk's pages just before it arrives and writes it while the next one
 # comes (a received file is on its disk a chunk after its last byte arrived).
 CHUNK = 16 << 20
-_MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14
-_madvise: list[Any] = []  # resolved once: libc's madvise, or None
 
 
 def populate(mem: Any) -> None:
-    """Fault in the pages of page-aligned writable memory ``mem`` (a numpy
-    array, memoryview or uint8 tensor) without changing its bytes, before a receive
-    lands in them: gloo's receive into fresh anonymous memory runs at
-    0.5-1.4 GB/s, page faults inside the socket copy, against 4.3-5 GB/s
-    into memory populated first (0.1 s per 512 MiB, GIL released). A hint:
-    where madvise is missing or refuses (a kernel before 5.14, seccomp),
-    the receive faults the pages in itself."""
-    if not _madvise:
-        fn = None
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-            fn = libc.madvise
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            fn.restype = ctypes.c_int
-        _madvise.append(fn)
-    if _madvise[0] is None or len(mem) == 0:
-        return
-    t = mem if isinstance(mem, torch.Tensor) else torch.frombuffer(mem, dtype=torch.uint8)
-    n, addr = t.numel(), t.data_ptr()
-    first = addr // PAGE * PAGE
-    if _madvise[0](first, align_up(addr + n - first, PAGE), _MADV_POPULATE_WRITE) != 0:
-        _madvise[0] = None  # refused once: it will be refused again
+    """Fault in the pages of writable memory ``mem`` (a numpy array,
+    memoryview or uint8 tensor) without changing its bytes, before a receive
+    lands in them (:func:`aionvme.memory.populate`): gloo's receive into
+    fresh anonymous memory runs at 0.5-1.4 GB/s, page faults inside the
+    socket copy, against 4.3-5 GB/s into memory populated first."""
+    if len(mem):
+        t = mem if isinstance(mem, torch.Tensor) else torch.frombuffer(mem, dtype=torch.uint8)
+        memory.populate(t.data_ptr(), t.numel())
 
 
 def _chunks(pieces: list[tuple[Any, int]]) -> list[tuple[torch.Tensor, int]]:

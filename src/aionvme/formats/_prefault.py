@@ -16,37 +16,16 @@ would race with the DMA landing in the same pages and could overwrite data.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import threading
-from collections.abc import Callable
 from types import TracebackType
 
 from .._engine import PAGE_SIZE
+from ..memory import populate
 
 __all__ = ["Prefault"]
 
-_MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14
 _PIECE = 8 << 20  # per madvise call: small enough to stop promptly once the read is done
 _MIN_BYTES = 32 << 20  # below this a thread costs more than it saves
-
-_Madvise = Callable[[int, int, int], int]
-_madvise: list[_Madvise | None] = []  # resolved once
-
-
-def _libc_madvise() -> _Madvise | None:
-    if not _madvise:
-        fn: _Madvise | None = None
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-            cfn = libc.madvise
-            cfn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            cfn.restype = ctypes.c_int
-            fn = cfn
-        except (OSError, AttributeError):  # no libc madvise: the read faults pages itself
-            fn = None
-        _madvise.append(fn)
-    return _madvise[0]
 
 
 class Prefault:
@@ -63,20 +42,17 @@ class Prefault:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _run(self, fn: _Madvise) -> None:
+    def _run(self) -> None:
         pos = (self.nbytes + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE  # whole pages, as mapped
         while pos > 0 and not self._stop.is_set():
             start = max(0, pos - _PIECE)
-            if fn(self.address + start, pos - start, _MADV_POPULATE_WRITE) != 0:
-                return  # EINVAL (pre-5.14), EPERM, ENOMEM: the read faults pages in itself
+            if not populate(self.address + start, pos - start):
+                return  # no madvise, or refused (pre-5.14, EPERM, ENOMEM): the read faults pages in itself
             pos = start
 
     def __enter__(self) -> Prefault:
-        fn = _libc_madvise() if self.nbytes >= _MIN_BYTES else None
-        if fn is not None:
-            self._thread = threading.Thread(
-                target=self._run, args=(fn,), name="aionvme-prefault", daemon=True
-            )
+        if self.nbytes >= _MIN_BYTES and populate(self.address, 0):  # False: no madvise here
+            self._thread = threading.Thread(target=self._run, name="aionvme-prefault", daemon=True)
             self._thread.start()
         return self
 
