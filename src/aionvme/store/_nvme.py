@@ -583,8 +583,8 @@ class NvmeTier:
         # once its bytes are in (see _checksum.py for why not as they land),
         # but for large one-piece values: read in segments, hashed as they land
         checks: list[tuple[Any, int, int, Any, Extent]] = []  # (value bytes, n, checksum, key, first piece)
-        # (its read, checksum, key, first piece)
-        piped: list[tuple[Coroutine[Any, Any, int], int, Any, Extent]] = []
+        # (read_hashed's arguments, checksum, key, first piece): coroutines made only at the gather
+        piped: list[tuple[tuple[Any, ...], int, Any, Extent]] = []
         rest: list[tuple[Any, ...]] = []
         for j, job in enumerate(jobs):
             ext = job[0]
@@ -599,7 +599,7 @@ class NvmeTier:
                 ((i, items),) = self._items([job], False).items()
                 if len(items) == 1 and items[0][1] % ALIGN == 0 and not is_cuda(items[0][0]):
                     mem, off = items[0]
-                    piped.append((read_hashed(self._file_of(i), mem, off, first[1] - off, n), c, key, first))
+                    piped.append(((self._file_of(i), mem, off, first[1] - off, n), c, key, first))
                     continue
             view = job[1][first[1] % ALIGN :] if len(job) > 2 and job[2] else job[1]
             checks.append((view, n, c, key, first))
@@ -610,7 +610,9 @@ class NvmeTier:
                 await self._run(rest, False)
             return await digest_all([(view, n) for view, n, *_ in checks])
 
-        done = await asyncio.gather(the_rest(), *(p[0] for p in piped), return_exceptions=True)
+        done: list[Any] = await asyncio.gather(
+            the_rest(), *(read_hashed(*p[0]) for p in piped), return_exceptions=True
+        )
         for r in done:
             if isinstance(r, BaseException):
                 raise r
